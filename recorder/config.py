@@ -1,0 +1,48 @@
+"""What the recorder records and how often. The defaults are meant to be left alone."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    # Full activation statistics (mean, std, zero share, NaN/Inf count) of every module output.
+    # Every 10th step keeps the extra reductions to a tenth of a pass over each activation while
+    # still giving 100 samples per 1,000 steps; the per-step finite check runs regardless.
+    activations_every: int = 10
+    # Update-to-weight ratio ||w_after - w_before|| / ||w_before||. It needs a copy of the
+    # weights taken one step earlier, so it is sampled: one copy every 10 steps.
+    update_ratio_every: int = 10
+    # The writer thread writes and flushes the file at least this often (seconds). A job killed
+    # by SIGKILL loses at most this much.
+    flush_every_s: float = 5.0
+    # Rows the writer keeps in memory before it writes them out, whatever the time.
+    write_every_steps: int = 256
+    # Bound of the queue between the training thread and the writer thread; when full, rows are
+    # dropped (and counted) rather than stalling training.
+    queue_size: int = 1024
+    # Flush and close the trace on SIGTERM (cluster pre-emption), then let the signal go on.
+    handle_sigterm: bool = True
+
+    def __post_init__(self):
+        for f in ("activations_every", "update_ratio_every", "write_every_steps", "queue_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Recorder option {f} must be a positive integer, got {v!r}")
+        if not self.flush_every_s > 0:
+            raise ValueError(f"Recorder option flush_every_s must be > 0, got {self.flush_every_s!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "RecorderConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"Recorder got unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,126 @@
+"""Forward hooks on every module: the per-step finite check and sampled activation statistics.
+
+The finite check must run on every step, so it is one reduction per output: ``aminmax``, whose
+min and max are NaN if any element is NaN and +-Inf if any is infinite. A module *produced* a
+NaN/Inf (rather than passing one on) when its output is non-finite while its inputs were not;
+inputs that are the output of a module already seen this step reuse that module's result, so in
+the common case (a chain of modules) inputs cost nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+from torch import nn
+
+from .stats import Packer, activation_stats, floating_tensors
+
+
+class ModuleWatcher:
+    def __init__(self, model: nn.Module, on_error):
+        self.names = [name for name, _ in model.named_modules()]
+        self.types = [type(m).__name__ for _, m in model.named_modules()]
+        self.is_leaf = [len(list(m.children())) == 0 for _, m in model.named_modules()]
+        self._on_error = on_error
+        self._handles = [
+            m.register_forward_hook(self._make_hook(i)) for i, (_, m) in enumerate(model.named_modules())
+        ]
+        self.sample_activations = False
+        # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
+        # memory without bound: past this many calls in one step, calls go unchecked.
+        self.max_calls = 64 * len(self.names) + 1024
+        self._reset()
+
+    def _reset(self) -> None:
+        self._mins: list[torch.Tensor] = []  # one (min, max) pair per checked tensor this step
+        self._maxs: list[torch.Tensor] = []
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (ref, pair index)
+        self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input pairs, output pairs)
+        self._acts: dict[int, torch.Tensor] = {}  # module -> summed activation_stats
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._reset()
+
+    def _check(self, x: torch.Tensor) -> int:
+        """Index of the (min, max) pair of x, computing it unless x was already checked."""
+        key = id(x)
+        hit = self._seen.get(key)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        mn, mx = torch.aminmax(x.detach())
+        self._mins.append(mn)
+        self._maxs.append(mx)
+        idx = len(self._mins) - 1
+        self._seen[key] = (weakref.ref(x), idx)
+        return idx
+
+    def _make_hook(self, index: int):
+        def hook(module, args, output):
+            try:
+                with torch.no_grad():
+                    outs = floating_tensors(output)
+                    if not outs or len(self._calls) >= self.max_calls:
+                        return
+                    ins = [self._check(x) for x in floating_tensors(args)]
+                    self._calls.append((index, ins, [self._check(x) for x in outs]))
+                    if self.sample_activations:
+                        s = activation_stats(outs[0])
+                        prev = self._acts.get(index)
+                        self._acts[index] = s if prev is None else prev + s.to(prev.device)
+            except Exception as e:  # never raise into the model's forward
+                self._on_error(e)
+
+        return hook
+
+    def pack(self, packer: Packer) -> None:
+        packer.add("pair_min", self._mins)
+        packer.add("pair_max", self._maxs)
+        if self._acts:
+            packer.add("acts", list(self._acts.values()))
+
+    def finish_step(self, host: dict[str, np.ndarray], n_modules: int) -> dict:
+        """Turn this step's host values into per-module rows; then forget the step."""
+        mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
+        absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
+        # An input carries a fault if it holds NaN or +Inf; -Inf alone is a mask, not a fault.
+        in_bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
+        out_absmax = np.full(n_modules, -1.0)  # -1: not called this step
+        origin, first_bad, batch_bad = -1, -1, False
+        for module, ins, outs in self._calls:
+            a = absmax[outs].max() if not np.isnan(absmax[outs]).any() else np.nan
+            prev = out_absmax[module]
+            out_absmax[module] = a if prev < 0 else (np.nan if np.isnan(prev) or np.isnan(a) else max(a, prev))
+            if module == 0 and ins and in_bad[ins].any():
+                batch_bad = True
+            if not np.isfinite(a):
+                if first_bad < 0:
+                    first_bad = module
+                if origin < 0 and not (ins and in_bad[ins].any()):
+                    origin = module
+        row = {
+            "output_absmax": out_absmax.astype(np.float32),
+            "origin": origin if origin >= 0 else first_bad,
+            "batch_nonfinite": int(batch_bad),
+        }
+        if self._acts:
+            acts = host["acts"].reshape(-1, 5)
+            stats = np.full((n_modules, 5), np.nan)
+            stats[list(self._acts.keys())] = acts
+            n, s, ss, zeros, bad = stats.T
+            mean = s / n
+            with np.errstate(invalid="ignore"):
+                std = np.sqrt(np.maximum(ss / n - mean * mean, 0.0) * n / np.maximum(n - 1, 1))
+            row["acts"] = {
+                "mean": mean.astype(np.float32),
+                "std": std.astype(np.float32),
+                "absmax": np.where(out_absmax < 0, np.nan, out_absmax).astype(np.float32),
+                "zero_frac": (zeros / n).astype(np.float32),
+                "nonfinite": np.nan_to_num(bad, nan=-1).astype(np.int64),
+            }
+        self._reset()
+        return row

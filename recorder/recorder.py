@@ -1,0 +1,302 @@
+"""The Recorder: two lines in a training loop, one HDF5 file per rank."""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import RecorderConfig
+from .hooks import ModuleWatcher
+from .memory import cuda_bytes, rss_bytes
+from .stats import Packer
+from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
+
+__version__ = "0.1.0"
+_MAX_SUMMARY_CHARS = 65536
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Recorder:
+    """Records a training run into ``run_dir/rank{N}.h5``.
+
+        rec = Recorder(model, "runs/exp1")
+        for step in range(n_steps):
+            ...forward, loss, optimizer.zero_grad(), loss.backward(), optimizer.step()...
+            rec.step(loss=loss)      # after optimizer.step(), before the next zero_grad()
+        rec.close()
+
+    Options (keyword arguments) are the fields of :class:`RecorderConfig`. The recorder never
+    raises into the training loop: on an internal error it warns once and stops recording,
+    and the steps already flushed stay readable.
+    """
+
+    def __init__(self, model: nn.Module, run_dir, **options):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Recorder needs a torch.nn.Module, got {type(model).__name__}")
+        self.config = RecorderConfig.from_kwargs(**options)
+        self.model = model
+        self.run_dir = os.fspath(run_dir)
+        self.rank, self.world_size = _rank_and_world()
+        self.path = os.path.join(self.run_dir, f"rank{self.rank}.h5")
+        self._step = 0
+        self._active = False
+        self._closed = False
+        self._failed_once = False
+        self._lock = threading.Lock()
+        self.watcher = None
+        self.writer = None
+
+        named = list(model.named_parameters())
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        try:
+            self._device = self._params[0].device if self._params else torch.device("cpu")
+        except Exception:
+            self._device = torch.device("cpu")
+        try:
+            self._open()
+        except Exception as e:
+            self._fail(e)
+            return
+        self._prev_weights = self._copy_weights() if self._params else None
+        self._install_signal_handlers()
+        atexit.register(self._atexit)
+
+    # -- setup --------------------------------------------------------------------------------
+    def _open(self) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.watcher = ModuleWatcher(self.model, self._fail)
+        n_params, n_modules = len(self._params), len(self.watcher.names)
+        now = time.time()
+        attrs = {
+            "format": FORMAT_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "created_by": f"torchautopsy {__version__}",
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "start_time": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(timespec="seconds"),
+            "start_unix": now,
+            "device": str(self._device),
+            "model_class": type(self.model).__name__,
+            "model_summary": str(self.model)[:_MAX_SUMMARY_CHARS],
+            "n_parameters": int(sum(p.numel() for p in self._params)),
+            "config": json.dumps(self.config.as_dict(), sort_keys=True),
+            "command": " ".join(sys.argv)[:4096],
+            "closed": False,
+        }
+        static = {
+            "params": {
+                "name": self._param_names,
+                "shape": [json.dumps(list(p.shape)) for p in self._params],
+                "numel": [int(p.numel()) for p in self._params],
+                "dtype": [str(p.dtype).replace("torch.", "") for p in self._params],
+            },
+            "modules": {
+                "name": self.watcher.names,
+                "type": self.watcher.types,
+                "is_leaf": [int(x) for x in self.watcher.is_leaf],
+            },
+        }
+        if not self._params:  # h5py cannot infer a dtype from empty lists
+            static["params"] = {"name": np.zeros(0, dtype=object), "shape": np.zeros(0, dtype=object),
+                                "numel": np.zeros(0, dtype="i8"), "dtype": np.zeros(0, dtype=object)}
+        self.writer = TraceWriter(
+            self.path, attrs, static, table_layout(n_params, n_modules),
+            flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,
+            queue_size=self.config.queue_size,
+        )
+        self._active = True
+        self.watcher.sample_activations = self._is_sampled(0, self.config.activations_every)
+
+    def _install_signal_handlers(self) -> None:
+        if not self.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):  # not in the main interpreter thread, or no signals here
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.close(reason="sigterm")
+        prev = getattr(self, "_prev_sigterm", signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:  # default action: die by SIGTERM, as without us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _atexit(self) -> None:
+        self.close(reason="exit")
+
+    @staticmethod
+    def _is_sampled(step: int, every: int) -> bool:
+        return step % every == 0
+
+    # -- per step -----------------------------------------------------------------------------
+    def step(self, loss=None) -> None:
+        """Mark the end of one training iteration (call it after ``optimizer.step()``)."""
+        if self._active:
+            try:
+                self._record_step(loss)
+            except Exception as e:
+                self._fail(e)
+        self._step += 1
+        if self._active:
+            self.watcher.sample_activations = self._is_sampled(self._step, self.config.activations_every)
+        if self.writer is not None and self.writer.error is not None and self._active:
+            self._fail(self.writer.error)
+
+    def _record_step(self, loss) -> None:
+        step = self._step
+        cfg = self.config
+        pk = Packer()
+        with torch.no_grad():
+            if isinstance(loss, torch.Tensor):
+                pk.add("loss", loss.detach().reshape(-1)[:1])
+            grads = [p.grad for p in self._params]
+            has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
+            present = [grads[i].detach() for i in has]
+            if present:
+                pk.add("grad_norm", torch._foreach_norm(present))
+                pk.add("grad_absmax", torch._foreach_norm(present, float("inf")))
+            if self._params:
+                weights = [p.detach() for p in self._params]
+                pk.add("param_norm", torch._foreach_norm(weights))
+                do_update = self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
+                if do_update:
+                    delta = torch._foreach_sub(weights, self._prev_weights)
+                    pk.add("update_num", torch._foreach_norm(delta))
+                    pk.add("update_den", torch._foreach_norm(self._prev_weights))
+            self.watcher.pack(pk)
+            host = pk.fetch()
+
+            n_params = len(self._params)
+            grad_norm = np.full(n_params, np.nan)
+            grad_absmax = np.full(n_params, np.nan)
+            grad_bad = np.zeros(n_params, dtype=np.int64)
+            if present:
+                grad_norm[has] = host["grad_norm"]
+                grad_absmax[has] = host["grad_absmax"]
+                bad = [j for j in range(len(has)) if not np.isfinite(host["grad_norm"][j])]
+                if bad:  # rare: count exactly, at the cost of a second transfer on this step only
+                    counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
+                    grad_bad[[has[j] for j in bad]] = counts
+
+            # Weights to compare the next sampled update against: taken after this update.
+            if self._params and self._is_sampled(step + 1, cfg.update_ratio_every):
+                self._prev_weights = self._copy_weights()
+            elif self._params and self._is_sampled(step, cfg.update_ratio_every):
+                self._prev_weights = None if cfg.update_ratio_every > 1 else self._prev_weights
+
+        mods = self.watcher.finish_step(host, len(self.watcher.names))
+        if isinstance(loss, torch.Tensor):
+            loss_value = float(host["loss"][0]) if host["loss"].size else float("nan")
+        elif loss is None:
+            loss_value = float("nan")
+        else:
+            loss_value = float(loss)
+        alloc, reserved, peak = cuda_bytes(self._device)
+        w = self.writer
+        w.put("steps", {
+            "step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
+            "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
+            "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
+        })
+        w.put("params", {
+            "grad_norm": grad_norm.astype(np.float32), "grad_absmax": grad_absmax.astype(np.float32),
+            "grad_nonfinite": grad_bad,
+            "param_norm": host["param_norm"].astype(np.float32) if n_params else np.zeros(0, np.float32),
+        })
+        w.put("modules", {"output_absmax": mods["output_absmax"]})
+        if "acts" in mods:
+            w.put("activations", {"step": step, **mods["acts"]})
+        if "update_num" in host:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = host["update_num"] / host["update_den"]
+            w.put("updates", {"step": step, "ratio": ratio.astype(np.float32)})
+
+    def _copy_weights(self):
+        # One copy of the weights, taken every update_ratio_every steps for the update ratio.
+        with torch.no_grad():
+            return torch._foreach_mul([p.detach() for p in self._params], 1.0)
+
+    # -- errors and shutdown ------------------------------------------------------------------
+    def _fail(self, e: BaseException) -> None:
+        """Warn once, unhook, stop recording; never raise into the training job."""
+        with self._lock:
+            if self._failed_once:
+                return
+            self._failed_once = True
+            self._active = False
+        warnings.warn(
+            f"torchautopsy: recorder error ({type(e).__name__}: {e}); recording stopped, training "
+            f"goes on; steps recorded before this are in {self.path}", RuntimeWarning, stacklevel=2,
+        )
+        try:
+            if self.watcher is not None:
+                self.watcher.remove()
+            if self.writer is not None:
+                self.writer.close({"closed": True, "end_reason": f"recorder error: {type(e).__name__}: {e}"[:1000],
+                                   "n_steps_recorded": self._step})
+        except Exception:
+            pass
+
+    def flush(self) -> None:
+        """Write everything recorded so far to disk now."""
+        if self._active and self.writer is not None:
+            self.writer.flush()
+
+    def close(self, reason: str = "closed") -> None:
+        """Flush, unhook and close the trace. Safe to call more than once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            was_active = self._active
+            self._active = False
+        try:
+            if self.watcher is not None:
+                self.watcher.remove()
+            if was_active and self.writer is not None:
+                self.writer.close({
+                    "closed": True, "end_reason": reason, "end_unix": time.time(),
+                    "n_steps_recorded": self._step,
+                })
+            self._prev_weights = None
+            if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self._prev_sigterm)
+        except Exception as e:
+            warnings.warn(f"torchautopsy: closing the trace failed ({e!r})", RuntimeWarning, stacklevel=2)
+        atexit.unregister(self._atexit)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(reason="closed" if exc_type is None else f"exception: {exc_type.__name__}: {exc}"[:1000])
+        return False

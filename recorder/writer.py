@@ -1,0 +1,218 @@
+"""All file I/O of the recorder: one HDF5 file per rank, written by one thread.
+
+The training thread only puts small numpy rows on a bounded queue (never blocks: a full queue
+drops the row and counts it). The writer thread buffers rows, appends them to chunked datasets
+and flushes at least every ``flush_every_s`` seconds. The file is in SWMR mode from the first
+write on, so a process killed at any moment leaves every flushed row readable
+(open it with ``h5py.File(path, "r", swmr=True)`` if a plain open refuses it).
+
+See docs/trace_format.md for the layout this writes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "torchautopsy-trace"
+
+_STR = h5py.string_dtype("utf-8")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str
+    width: int = 0  # 0: one value per row; N: N values per row (one per parameter/module)
+
+
+# Tables written per step or per sample; each is an HDF5 group of equally long datasets.
+def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
+    return {
+        "steps": [
+            Column("step", "i8"),
+            Column("time_s", "f8"),
+            Column("loss", "f8"),
+            Column("rss_bytes", "i8"),
+            Column("cuda_allocated_bytes", "i8"),
+            Column("cuda_reserved_bytes", "i8"),
+            Column("cuda_peak_bytes", "i8"),
+            Column("nonfinite_origin", "i4"),
+            Column("batch_nonfinite", "i1"),
+        ],
+        "params": [
+            Column("grad_norm", "f4", n_params),
+            Column("grad_absmax", "f4", n_params),
+            Column("grad_nonfinite", "i8", n_params),
+            Column("param_norm", "f4", n_params),
+        ],
+        "modules": [Column("output_absmax", "f4", n_modules)],
+        "activations": [
+            Column("step", "i8"),
+            Column("mean", "f4", n_modules),
+            Column("std", "f4", n_modules),
+            Column("absmax", "f4", n_modules),
+            Column("zero_frac", "f4", n_modules),
+            Column("nonfinite", "i8", n_modules),
+        ],
+        "updates": [Column("step", "i8"), Column("ratio", "f4", n_params)],
+    }
+
+
+def _chunk_rows(width: int, itemsize: int) -> int:
+    # About 256 KiB per chunk: large enough for gzip to work well, small enough that the last
+    # chunk written before a kill costs little.
+    return int(max(16, min(4096, (256 * 1024) // max(1, width * itemsize))))
+
+
+_STOP = object()
+_FLUSH = object()
+
+
+class TraceWriter:
+    def __init__(self, path: str, attrs: dict, static: dict[str, dict[str, list]],
+                 tables: dict[str, list[Column]], flush_every_s: float, write_every_steps: int,
+                 queue_size: int):
+        self.path = path
+        self.tables = tables
+        self.flush_every_s = flush_every_s
+        self.write_every = write_every_steps
+        self.dropped = 0
+        self.error: BaseException | None = None
+        self._closed = False
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._buf: dict[str, list[dict]] = {t: [] for t in tables}
+        self._rows: dict[str, int] = {t: 0 for t in tables}
+
+        # Create the whole layout up front, in the caller's thread, so that a bad path fails
+        # loudly at Recorder() and the file is complete (if empty) before training starts.
+        self._f = h5py.File(path, "w", libver="latest")
+        set_attrs(self._f, attrs)
+        for group, datasets in static.items():
+            g = self._f.require_group(group)
+            for name, values in datasets.items():
+                if values and isinstance(values[0], str):
+                    g.create_dataset(name, data=np.array(values, dtype=object), dtype=_STR)
+                else:
+                    g.create_dataset(name, data=np.asarray(values))
+        self._ds: dict[str, dict[str, h5py.Dataset]] = {}
+        for table, cols in tables.items():
+            g = self._f.require_group(table)
+            self._ds[table] = {}
+            for c in cols:
+                shape = (0, c.width) if c.width else (0,)
+                maxshape = (None, c.width) if c.width else (None,)
+                item = np.dtype(c.dtype).itemsize
+                chunks = (_chunk_rows(c.width, item), c.width) if c.width else (4096,)
+                self._ds[table][c.name] = g.create_dataset(
+                    c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
+                    compression="gzip", compression_opts=4, shuffle=True,
+                    fillvalue=np.nan if c.dtype.startswith("f") else 0,
+                )
+        self._f.flush()
+        self._f.swmr_mode = True
+        self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
+        self._thread.start()
+
+    # -- training thread ----------------------------------------------------------------------
+    def put(self, table: str, row: dict) -> None:
+        try:
+            self._q.put_nowait((table, row))
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Write and flush everything queued so far; returns when done (or after timeout)."""
+        done = threading.Event()
+        try:
+            self._q.put((_FLUSH, done), timeout=timeout)
+        except queue.Full:
+            return
+        done.wait(timeout)
+
+    def close(self, attrs: dict, timeout: float = 60.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._q.put((_STOP, attrs), timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    # -- writer thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_flush = time.monotonic()
+        try:
+            while True:
+                wait = max(0.05, self.flush_every_s - (time.monotonic() - last_flush))
+                try:
+                    table, row = self._q.get(timeout=wait)
+                except queue.Empty:
+                    table = None
+                if table is _STOP:
+                    self._write_all()
+                    set_attrs(self._f, {**(row or {}), "dropped_rows": self.dropped})
+                    self._f.close()
+                    return
+                if table is _FLUSH:
+                    self._write_all()
+                    self._f.flush()
+                    last_flush = time.monotonic()
+                    row.set()
+                    continue
+                if table is not None:
+                    self._buf[table].append(row)
+                    if len(self._buf[table]) >= self.write_every:
+                        self._write_table(table)
+                if time.monotonic() - last_flush >= self.flush_every_s:
+                    self._write_all()
+                    self._f.flush()
+                    last_flush = time.monotonic()
+        except BaseException as e:  # disk full, file removed, ...: stop writing, keep training
+            self.error = e
+            warnings.warn(f"torchautopsy: writing {self.path} failed ({e!r}); recording stopped, "
+                          "the steps flushed before this are still readable", RuntimeWarning)
+            try:
+                self._f.close()
+            except Exception:
+                pass
+            # Keep draining so that put() never blocks and flush()/close() never hang.
+            while True:
+                item = self._q.get()
+                if item[0] is _FLUSH:
+                    item[1].set()
+                if item[0] is _STOP:
+                    return
+
+    def _write_all(self) -> None:
+        for table in self._buf:
+            self._write_table(table)
+
+    def _write_table(self, table: str) -> None:
+        rows = self._buf[table]
+        if not rows:
+            return
+        n0, n = self._rows[table], len(rows)
+        for c in self.tables[table]:
+            ds = self._ds[table][c.name]
+            data = np.array([r[c.name] for r in rows], dtype=c.dtype)
+            ds.resize(n0 + n, axis=0)
+            ds[n0:n0 + n] = data
+        self._rows[table] = n0 + n
+        self._buf[table] = []
+
+
+def set_attrs(obj, attrs: dict) -> None:
+    for k, v in attrs.items():
+        if isinstance(v, str):  # stored as UTF-8 variable-length strings, readable anywhere
+            obj.attrs.create(k, v, dtype=_STR)
+        else:
+            obj.attrs[k] = v
