@@ -1,0 +1,90 @@
+"""exploding_gradients: the total gradient norm grows without bound or jumps by orders of magnitude.
+
+Heuristic: take the median total gradient norm over the first finite steps as the baseline.
+Sustained growth (the trailing median over `window` steps above `sustained_ratio` x baseline) is
+an error; a lone jump above `spike_ratio` x baseline that does not last is a warning. The
+parameters named are those whose own gradient norm grew most against their own baseline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ExplodingGradientsConfig
+from ..findings import Finding
+from ..series import trailing_median
+from ..trace import RankTrace
+
+KIND = "exploding_gradients"
+REQUIRES = ("params/grad_norm",)
+
+ADVICE = (
+    "Lower the learning rate (often by 3-10x) or add a warm-up; clip the gradient norm "
+    "(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)); check the named layers' "
+    "initialisation and whether a normalisation layer is missing before them."
+)
+
+
+def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
+    total = rt.total_grad_norm.to_numpy()
+    steps = rt.step_index
+    finite = np.isfinite(total) & (total > 0)
+    idx = np.flatnonzero(finite)
+    n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
+    if len(idx) < n_base + 1:
+        return []
+    base_idx = idx[:n_base]
+    baseline = float(np.median(total[base_idx]))
+    # Non-finite norms count as unbounded growth: the explosion ended in overflow.
+    ratio = np.where(np.isnan(total), np.nan, total / baseline)
+    ratio = np.where(np.isinf(total), np.inf, ratio)
+
+    after = np.arange(len(total)) > base_idx[-1]
+    trailing = trailing_median(ratio, cfg.window)
+    sustained = np.flatnonzero(after & (trailing >= cfg.sustained_ratio))
+    if sustained.size:
+        # The event starts at the first step of the window whose median crossed the line.
+        end = sustained[0]
+        start_candidates = np.flatnonzero(after[: end + 1] & (ratio[: end + 1] >= cfg.sustained_ratio))
+        i = int(start_candidates[0]) if start_candidates.size else int(end)
+        severity, how = "error", "grew"
+    else:
+        spikes = np.flatnonzero(after & (ratio >= cfg.spike_ratio) & np.isfinite(ratio))
+        if not spikes.size:
+            return []
+        i = int(spikes[0])
+        severity, how = "warning", "jumped"
+
+    finite_after = np.flatnonzero(np.isfinite(total) & (np.arange(len(total)) >= i))
+    peak_i = int(finite_after[np.argmax(total[finite_after])]) if finite_after.size else i
+    first_nonfinite = np.flatnonzero(~np.isfinite(total) & (np.arange(len(total)) >= i))
+
+    # Which parameters: growth of each one's own norm at the peak against its own baseline.
+    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p_base = np.nanmedian(g[base_idx], axis=0)
+        p_growth = g[peak_i] / p_base
+    order = [j for j in np.argsort(-np.nan_to_num(p_growth, nan=-1.0)) if np.isfinite(p_growth[j])]
+    top = order[:3]
+    where = [rt.param_names[j] for j in top]
+
+    step = int(steps[i])
+    evidence = {
+        "baseline_total_grad_norm": baseline,
+        "baseline_steps": [int(steps[base_idx[0]]), int(steps[base_idx[-1]])],
+        "total_grad_norm_at_step": float(total[i]),
+        "ratio_at_step": float(ratio[i]),
+        "peak_step": int(steps[peak_i]),
+        "peak_total_grad_norm": float(total[peak_i]),
+        "peak_ratio": float(total[peak_i] / baseline),
+        "first_nonfinite_step": int(steps[first_nonfinite[0]]) if first_nonfinite.size else None,
+        "growth_by_parameter": {rt.param_names[j]: float(p_growth[j]) for j in top},
+        "threshold_ratio": cfg.sustained_ratio if severity == "error" else cfg.spike_ratio,
+    }
+    tail = (f", and went non-finite at step {evidence['first_nonfinite_step']}"
+            if evidence["first_nonfinite_step"] is not None else "")
+    summary = (f"Total gradient norm {how} from {baseline:.3g} (median of steps "
+               f"{evidence['baseline_steps'][0]}-{evidence['baseline_steps'][1]}) to {float(total[i]):.3g} "
+               f"at step {step} ({float(ratio[i]):.3g}x), peaking at {evidence['peak_total_grad_norm']:.3g} "
+               f"at step {evidence['peak_step']}{tail}; fastest growth in {', '.join(where) or 'all layers'}.")
+    return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]

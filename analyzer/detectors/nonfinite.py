@@ -1,0 +1,100 @@
+"""nonfinite: NaN/Inf appeared; the first step, and where it was born.
+
+Within a step the order is: the input batch, the forward pass (modules, in the order they
+completed), the loss, the backward pass, the optimizer update. The recorder marks, for each
+step, the first module whose output was non-finite while its inputs were finite
+(steps/nonfinite_origin): the module that produced the NaN rather than passed it on. If the
+forward pass was clean, the first parameter the backward pass reached (the last in definition
+order) with a non-finite gradient is named; if gradients were clean but weights went
+non-finite after the update, the optimizer is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import NonfiniteConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+KIND = "nonfinite"
+REQUIRES = ("steps/nonfinite_origin", "params/grad_nonfinite")
+
+_ADVICE = {
+    "batch": "The data itself holds NaN/Inf: check the data pipeline and preprocessing for the "
+             "batch of this step (missing values, division by a zero std, log of zero).",
+    "forward": "Find the operation in this module's forward that can overflow or is undefined on "
+               "its inputs (log/sqrt of non-positive values, division by ~0, exp of large values, "
+               "softmax of all -inf); guard it (clamp, eps), or run it in float32 under autocast.",
+    "loss": "The loss is computed outside the model's modules: check it for log(0) (use "
+            "log_softmax / BCEWithLogitsLoss instead of log(softmax) / BCELoss), division by a zero "
+            "count, or targets out of range.",
+    "backward": "The gradient is non-finite while the forward pass was finite: an operation whose "
+                "derivative is unbounded at its input (sqrt or pow at 0, norm of a zero vector, acos "
+                "at +-1), or a gradient overflow under fp16 (use a GradScaler). Clip or add eps.",
+    "optimizer": "Gradients were finite but the weights went non-finite after the update: a learning "
+                 "rate too high, an optimizer eps of 0, or a division by a zero state.",
+}
+
+
+def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
+    steps = rt.steps
+    idx = rt.step_index
+    loss = steps["loss"].to_numpy()
+    # NaN also stands for "no loss passed to rec.step()": it counts only if losses were given.
+    loss_bad = np.isinf(loss) | (np.isnan(loss) & np.isfinite(loss).any())
+    origin = steps["nonfinite_origin"].to_numpy()
+    batch_bad = steps["batch_nonfinite"].to_numpy() > 0
+    g_bad = rt.param_stat("grad_nonfinite").to_numpy()
+    g_norm = rt.param_stat("grad_norm").to_numpy()
+    grad_bad = (g_bad > 0) | np.isinf(g_norm)
+    w_bad = ~np.isfinite(rt.param_stat("param_norm").to_numpy())
+    any_bad = loss_bad | (origin >= 0) | batch_bad | grad_bad.any(axis=1) | w_bad.any(axis=1)
+    bad_rows = np.flatnonzero(any_bad)
+    if not bad_rows.size:
+        return []
+    i = int(bad_rows[0])
+    step = int(idx[i])
+    n_bad_steps = int(any_bad[i:].sum())
+    evidence = {
+        "first_step": step,
+        "nonfinite_steps_after": n_bad_steps,
+        "steps_recorded_after": int(len(idx) - i),
+        "loss_at_step": float(steps["loss"].iloc[i]),
+        "loss_before": float(steps["loss"].iloc[i - 1]) if i > 0 else None,
+        "total_grad_norm_before": float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
+    }
+    mods_bad = rt.module_stat().to_numpy()[i]
+    bad_modules = [rt.module_names[j] for j in np.flatnonzero(~np.isfinite(mods_bad))]
+    evidence["modules_with_nonfinite_output"] = len(bad_modules)
+    bad_params = np.flatnonzero(grad_bad[i])
+    evidence["params_with_nonfinite_grad"] = {rt.param_names[j]: int(g_bad[i, j]) for j in bad_params[:20]}
+
+    if batch_bad[i]:
+        stage, where = "batch", []
+        what = f"the input batch of step {step} already held NaN/Inf"
+    elif origin[i] >= 0:
+        stage, where = "forward", [rt.module_names[origin[i]]]
+        name = rt.module_names[origin[i]] or "(the model's own forward)"
+        mtype = rt.module_types[origin[i]]
+        what = (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {step}: its "
+                f"output was non-finite while its inputs were finite")
+        evidence["origin_module_output_absmax"] = float(mods_bad[origin[i]])
+    elif bad_params.size:
+        first = int(bad_params.max())  # backward reaches the last-defined parameters first
+        stage, where = "backward", [rt.param_names[first]]
+        what = (f"the forward pass of step {step} was finite but the gradient of {rt.param_names[first]} "
+                f"went non-finite ({len(bad_params)} parameter(s) with NaN/Inf gradients)")
+    elif loss_bad[i]:
+        stage, where = "loss", []
+        what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
+    else:
+        bad_w = np.flatnonzero(w_bad[i])
+        stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]
+        what = (f"gradients at step {step} were finite but {len(bad_w)} parameter(s) went non-finite "
+                f"in the optimizer update")
+    evidence["stage"] = stage
+    summary = (f"First NaN/Inf at step {step}: {what}; "
+               f"{n_bad_steps} of the {len(idx) - i} steps recorded from then on are non-finite.")
+    return [Finding(KIND, "error", step, where, summary, evidence, _ADVICE[stage])]
+

@@ -1,0 +1,83 @@
+"""vanishing_gradients: early layers' gradients orders of magnitude below the late ones, or near zero.
+
+Heuristic: over weight matrices/kernels (parameters of 2+ dimensions, in named_parameters()
+order, which follows the model's definition and usually its depth), take each one's gradient
+RMS (L2 norm / sqrt(numel), so layers of different size compare) and its median over the last
+`window_frac` of the run. The ratio of the smallest RMS among the first third of them to the
+median RMS of the last third falling under `ratio` — or an early RMS under `near_zero_rms` — is
+a warning. The onset is the first step where the trailing median of that ratio falls under.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from ..config import VanishingGradientsConfig
+from ..findings import Finding
+from ..series import trailing_median
+from ..trace import RankTrace
+
+KIND = "vanishing_gradients"
+REQUIRES = ("params/grad_norm",)
+
+ADVICE = (
+    "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh in deep stacks), an "
+    "initialisation matched to them (Kaiming/He for ReLU), residual connections or normalisation "
+    "layers (LayerNorm/BatchNorm) between blocks; check that no detach() or frozen block cuts the "
+    "gradient path to the early layers."
+)
+
+
+def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
+    weights = [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
+    if len(weights) < 3:
+        return []
+    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)[:, weights]
+    numel = rt.param_numel[weights].astype(np.float64)
+    rms = g / np.sqrt(numel)
+    rms[~np.isfinite(rms)] = np.nan
+    ok_rows = ~np.isnan(rms).all(axis=1)
+    if ok_rows.sum() < cfg.min_window:
+        return []
+    third = max(1, len(weights) // 3)
+    early, late = slice(0, third), slice(len(weights) - third, len(weights))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rows = np.flatnonzero(ok_rows)
+        n_win = max(cfg.min_window, int(len(rows) * cfg.window_frac))
+        win = rows[-n_win:]
+        med = np.nanmedian(rms[win], axis=0)
+        early_min = np.nanmin(med[early])
+        late_med = np.nanmedian(med[late])
+        per_step = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
+    if not (np.isfinite(early_min) and np.isfinite(late_med)) or late_med <= 0:
+        return []
+    ratio = early_min / late_med
+    near_zero = early_min < cfg.near_zero_rms
+    if not (ratio < cfg.ratio or near_zero):
+        return []
+
+    below = trailing_median(per_step, cfg.onset_window) < cfg.ratio
+    onset = np.flatnonzero(below)
+    step_i = int(onset[0]) if onset.size else int(win[0])
+    names = [rt.param_names[j] for j in weights]
+    worst = [names[j] for j in np.argsort(med[early])[:3] if med[early][j] <= ratio * 10 * late_med or near_zero]
+    where = worst or [names[int(np.nanargmin(med[early]))]]
+    evidence = {
+        "window_steps": [int(rt.step_index[win[0]]), int(rt.step_index[win[-1]])],
+        "early_to_late_rms_ratio": float(ratio),
+        "threshold_ratio": cfg.ratio,
+        "early_grad_rms": {names[j]: float(med[j]) for j in range(early.stop)},
+        "late_grad_rms": {names[j]: float(med[j]) for j in range(late.start, late.stop)},
+    }
+    summary = (f"Gradients of the early layers are {1 / ratio:.3g}x smaller than those of the late "
+               f"layers (gradient RMS {early_min:.3g} in {where[0]} vs median {late_med:.3g} in the "
+               f"last layers, steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}); "
+               f"below the {cfg.ratio:g} ratio since step {int(rt.step_index[step_i])}.")
+    if near_zero and ratio >= cfg.ratio:
+        summary = (f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {where[0]}, "
+                   f"steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}).")
+    return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]

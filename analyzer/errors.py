@@ -1,0 +1,17 @@
+"""Errors about unusable input. The CLI turns each into one line and exit code 2."""
+
+
+class TraceError(Exception):
+    """A run directory or trace file that cannot be analyzed; the message says why and what to do."""
+
+
+class TraceNotFoundError(TraceError):
+    pass
+
+
+class TraceFormatError(TraceError):
+    pass
+
+
+class SchemaVersionError(TraceError):
+    pass

@@ -1,0 +1,245 @@
+"""Read a run directory of torchautopsy traces (one ``rank{N}.h5`` per rank).
+
+This is the only place that knows the file layout (docs/trace_format.md) and its versions.
+It never imports torch, never unpickles, and never executes anything from a trace.
+
+    run = load("runs/exp1")
+    rt = run.ranks[0]
+    rt.steps                      # DataFrame, one row per step: loss, time, memory, ...
+    rt.param_stat("grad_norm")    # DataFrame, steps x parameter names
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from functools import cached_property
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from .errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "torchautopsy-trace"
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+
+PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
+MODULE_STATS = ("output_absmax",)
+ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
+# Tables written once per step: their rows line up, one per step.
+_PER_STEP_TABLES = {"steps": ("step",), "params": PARAM_STATS, "modules": MODULE_STATS}
+
+
+def _open(path: str) -> h5py.File:
+    """Open a trace read-only, also one whose writer was killed (SWMR-mode file left open)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise TraceFormatError(f"{path} is empty or truncated ({os.path.getsize(path)} bytes); "
+                               "it holds no trace")
+    if head != _HDF5_SIGNATURE:
+        raise TraceFormatError(f"{path} is not an HDF5 file, so not a torchautopsy trace; "
+                               "point at the run directory written by Recorder(model, run_dir)")
+    try:
+        return h5py.File(path, "r")
+    except OSError as plain:
+        try:  # a killed writer leaves its "open for write" flag set; SWMR readers accept that
+            return h5py.File(path, "r", swmr=True)
+        except OSError:
+            reason = str(plain).split("(", 1)[-1].rstrip(")") if "(" in str(plain) else str(plain)
+            raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
+                                   "copy it again from the job's run directory") from None
+
+
+def _attr(v):
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _strings(ds) -> list[str]:
+    return [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in ds[()]]
+
+
+class RankTrace:
+    """One rank's trace, read lazily; every DataFrame it returns is read-only."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.size_bytes = os.path.getsize(path)
+        with _open(path) as f:
+            meta = {k: _attr(v) for k, v in f.attrs.items()}
+            if meta.get("format") != FORMAT_NAME:
+                raise TraceFormatError(f"{path} is an HDF5 file but not a torchautopsy trace "
+                                       "(no format attribute 'torchautopsy-trace')")
+            version = meta.get("schema_version")
+            if not isinstance(version, int):
+                raise TraceFormatError(f"{path} has no valid schema_version attribute")
+            if version > SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    f"{path} uses trace schema {version}, newer than this torchautopsy reads "
+                    f"({SCHEMA_VERSION}); upgrade: pip install -U torchautopsy")
+            try:
+                self.param_names = _strings(f["params/name"])
+                self.param_shapes = [tuple(json.loads(s)) for s in _strings(f["params/shape"])]
+                self.param_numel = np.asarray(f["params/numel"][()], dtype=np.int64)
+                self.module_names = _strings(f["modules/name"])
+                self.module_types = _strings(f["modules/type"])
+                self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)
+                # A killed writer may have resized some datasets of a table and not yet others:
+                # the steps that are complete are those every per-step dataset holds.
+                self.n_steps = min(f[f"{t}/{c}"].shape[0] for t, cols in _PER_STEP_TABLES.items() for c in cols)
+            except (KeyError, OSError, ValueError, json.JSONDecodeError) as e:
+                raise TraceFormatError(f"{path} is a torchautopsy trace with missing or damaged "
+                                       f"parts ({e}); it cannot be analyzed") from None
+        try:
+            meta["config"] = json.loads(meta.get("config", "{}"))
+        except (TypeError, json.JSONDecodeError):
+            meta["config"] = {}
+        self.meta = meta
+        self.rank = int(meta.get("rank", 0))
+
+    # -- raw reads ----------------------------------------------------------------------------
+    def _read(self, name: str, rows: int | None = None) -> np.ndarray:
+        try:
+            with _open(self.path) as f:
+                ds = f[name]
+                arr = ds[: rows] if rows is not None else ds[()]
+        except (KeyError, OSError, ValueError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
+        arr = np.asarray(arr)
+        arr.flags.writeable = False
+        return arr
+
+    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str]) -> pd.DataFrame:
+        df = pd.DataFrame(data, index=pd.Index(index, name="step"), columns=columns, copy=False)
+        return df
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def closed_cleanly(self) -> bool:
+        return bool(self.meta.get("closed", False))
+
+    @cached_property
+    def step_index(self) -> np.ndarray:
+        return self._read("steps/step", self.n_steps)
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        """One row per step: time_s, loss, rss_bytes, cuda_*_bytes, nonfinite_origin, batch_nonfinite."""
+        cols = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
+                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite")
+        data = {c: self._read(f"steps/{c}", self.n_steps) for c in cols}
+        return pd.DataFrame(data, index=pd.Index(self.step_index, name="step"))
+
+    def param_stat(self, stat: str) -> pd.DataFrame:
+        """Steps x parameters: grad_norm, grad_absmax, grad_nonfinite or param_norm."""
+        if stat not in PARAM_STATS:
+            raise ValueError(f"unknown parameter statistic {stat!r}; one of {PARAM_STATS}")
+        return self._frame(self._read(f"params/{stat}", self.n_steps), self.step_index, self.param_names)
+
+    def module_stat(self, stat: str = "output_absmax") -> pd.DataFrame:
+        """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not called)."""
+        if stat not in MODULE_STATS:
+            raise ValueError(f"unknown module statistic {stat!r}; one of {MODULE_STATS}")
+        return self._frame(self._read(f"modules/{stat}", self.n_steps), self.step_index, self.module_names)
+
+    def activation_stat(self, stat: str) -> pd.DataFrame:
+        """Sampled steps x modules: mean, std, absmax, zero_frac or nonfinite of each output."""
+        if stat not in ACTIVATION_STATS:
+            raise ValueError(f"unknown activation statistic {stat!r}; one of {ACTIVATION_STATS}")
+        steps = self._sampled_steps("activations", ACTIVATION_STATS)
+        return self._frame(self._read(f"activations/{stat}", len(steps)), steps, self.module_names)
+
+    def update_ratio(self) -> pd.DataFrame:
+        """Sampled steps x parameters: ||w_after - w_before|| / ||w_before|| of that step's update."""
+        steps = self._sampled_steps("updates", ("ratio",))
+        return self._frame(self._read("updates/ratio", len(steps)), steps, self.param_names)
+
+    def _sampled_steps(self, table: str, cols) -> np.ndarray:
+        try:
+            with _open(self.path) as f:
+                n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
+        except (KeyError, OSError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
+        return self._read(f"{table}/step", n)
+
+    @cached_property
+    def total_grad_norm(self) -> pd.Series:
+        """L2 norm of all gradients together, per step (NaN/Inf when any gradient was)."""
+        g = self.param_stat("grad_norm").to_numpy(dtype=np.float64)
+        present = ~np.isnan(g) | (self.param_stat("grad_nonfinite").to_numpy() > 0)
+        sq = np.where(present, g * g, 0.0)
+        with np.errstate(invalid="ignore"):
+            tot = np.sqrt(sq.sum(axis=1))
+        tot[~present.any(axis=1)] = np.nan
+        return pd.Series(tot, index=pd.Index(self.step_index, name="step"), name="total_grad_norm")
+
+    @property
+    def wall_time_s(self) -> float:
+        t = self.steps["time_s"].to_numpy()
+        if t.size == 0:
+            return 0.0
+        return float(t[-1] - self.meta.get("start_unix", t[0]))
+
+
+class Trace:
+    """A run directory: every rank's trace, keyed by rank."""
+
+    def __init__(self, run_dir: str, ranks: dict[int, RankTrace], unreadable: dict[str, str]):
+        self.run_dir = run_dir
+        self.ranks = dict(sorted(ranks.items()))
+        self.unreadable = unreadable  # file -> reason, for ranks that could not be read
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(r.size_bytes for r in self.ranks.values())
+
+    def __repr__(self) -> str:
+        return f"Trace({self.run_dir!r}, ranks={list(self.ranks)})"
+
+
+def trace_files(path: str) -> list[str]:
+    """The rank files of a run directory (or the one file given)."""
+    if not os.path.exists(path):
+        raise TraceNotFoundError(f"{path} does not exist; give the run directory passed to "
+                                 "Recorder(model, run_dir)")
+    if os.path.isfile(path):
+        return [path]
+    files = [os.path.join(path, n) for n in os.listdir(path) if _RANK_FILE.match(n)]
+    if not files:
+        raise TraceNotFoundError(f"{path} holds no rank*.h5 trace files; give the run directory "
+                                 "passed to Recorder(model, run_dir)")
+    return sorted(files, key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
+
+
+def load(run_dir) -> Trace:
+    """Open a run directory (or one rank file) for reading.
+
+    Raises a TraceError subclass with a one-line reason if nothing in it can be analyzed; a
+    multi-rank run with some unreadable files loads the readable ones and lists the others in
+    ``Trace.unreadable``.
+    """
+    run_dir = os.fspath(run_dir)
+    ranks: dict[int, RankTrace] = {}
+    unreadable: dict[str, str] = {}
+    files = trace_files(run_dir)
+    first_error = None
+    for p in files:
+        try:
+            rt = RankTrace(p)
+        except (TraceFormatError, SchemaVersionError) as e:
+            first_error = first_error or e
+            unreadable[p] = str(e)
+            continue
+        ranks[rt.rank] = rt
+    if not ranks:
+        raise first_error
+    return Trace(run_dir, ranks, unreadable)
