@@ -48,12 +48,17 @@ def _open(path: str) -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as plain:
-        try:  # a killed writer leaves its "open for write" flag set; SWMR readers accept that
+        message = str(plain)
+    # A killed writer leaves its "open for write" flag set; SWMR readers accept that. Only then
+    # do we retry in SWMR mode: on a damaged file an SWMR reader retries reads for a long time.
+    if "already open for write" in message:
+        try:
             return h5py.File(path, "r", swmr=True)
-        except OSError:
-            reason = str(plain).split("(", 1)[-1].rstrip(")") if "(" in str(plain) else str(plain)
-            raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
-                                   "copy it again from the job's run directory") from None
+        except OSError as e:
+            message = str(e)
+    reason = message.split("(", 1)[-1].rstrip(")") if "(" in message else message
+    raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
+                           "copy it again from the job's run directory")
 
 
 def _attr(v):

@@ -120,7 +120,7 @@ class ModuleWatcher:
                 "std": std.astype(np.float32),
                 "absmax": np.where(out_absmax < 0, np.nan, out_absmax).astype(np.float32),
                 "zero_frac": (zeros / n).astype(np.float32),
-                "nonfinite": np.nan_to_num(bad, nan=-1).astype(np.int64),
+                "nonfinite": np.minimum(np.nan_to_num(bad, nan=-1), 2**31 - 1).astype(np.int32),
             }
         self._reset()
         return row

@@ -28,6 +28,16 @@ __version__ = "0.1.0"
 _MAX_SUMMARY_CHARS = 65536
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    """float32 for storage, finite values saturating at float32's max so that only a real
+    NaN/Inf is stored as one (a norm of 1e40 is stored as 3.4e38, not as Inf)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(np.isfinite(x), np.clip(x, -_F32_MAX, _F32_MAX), x).astype(np.float32)
+
+
 def _rank_and_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -180,28 +190,32 @@ class Recorder:
             grads = [p.grad for p in self._params]
             has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
             present = [grads[i].detach() for i in has]
+            # Norms accumulate in float64: a float32 sum of squares overflows to Inf for finite
+            # gradients above ~1e19, which would pass for a NaN/Inf gradient.
+            f64 = torch.float64
             if present:
-                pk.add("grad_norm", torch._foreach_norm(present))
+                pk.add("grad_norm", torch._foreach_norm(present, 2, dtype=f64))
                 pk.add("grad_absmax", torch._foreach_norm(present, float("inf")))
             if self._params:
                 weights = [p.detach() for p in self._params]
-                pk.add("param_norm", torch._foreach_norm(weights))
+                pk.add("param_norm", torch._foreach_norm(weights, 2, dtype=f64))
                 do_update = self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
                 if do_update:
                     delta = torch._foreach_sub(weights, self._prev_weights)
-                    pk.add("update_num", torch._foreach_norm(delta))
-                    pk.add("update_den", torch._foreach_norm(self._prev_weights))
+                    pk.add("update_num", torch._foreach_norm(delta, 2, dtype=f64))
+                    pk.add("update_den", torch._foreach_norm(self._prev_weights, 2, dtype=f64))
             self.watcher.pack(pk)
             host = pk.fetch()
 
             n_params = len(self._params)
             grad_norm = np.full(n_params, np.nan)
             grad_absmax = np.full(n_params, np.nan)
-            grad_bad = np.zeros(n_params, dtype=np.int64)
+            grad_bad = np.zeros(n_params, dtype=np.int64)  # exact NaN/Inf element counts
             if present:
                 grad_norm[has] = host["grad_norm"]
                 grad_absmax[has] = host["grad_absmax"]
-                bad = [j for j in range(len(has)) if not np.isfinite(host["grad_norm"][j])]
+                bad = [j for j in range(len(has))
+                       if not (np.isfinite(host["grad_norm"][j]) and np.isfinite(host["grad_absmax"][j]))]
                 if bad:  # rare: count exactly, at the cost of a second transfer on this step only
                     counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
                     grad_bad[[has[j] for j in bad]] = counts
@@ -220,24 +234,26 @@ class Recorder:
         else:
             loss_value = float(loss)
         alloc, reserved, peak = cuda_bytes(self._device)
-        w = self.writer
-        w.put("steps", {
-            "step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
-            "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
-            "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
-        })
-        w.put("params", {
-            "grad_norm": grad_norm.astype(np.float32), "grad_absmax": grad_absmax.astype(np.float32),
-            "grad_nonfinite": grad_bad,
-            "param_norm": host["param_norm"].astype(np.float32) if n_params else np.zeros(0, np.float32),
-        })
-        w.put("modules", {"output_absmax": mods["output_absmax"]})
+        rows = {
+            "steps": {
+                "step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
+                "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
+                "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
+            },
+            "params": {
+                "grad_norm": _f32(grad_norm), "grad_absmax": _f32(grad_absmax),
+                "grad_nonfinite": np.minimum(grad_bad, 2**31 - 1).astype(np.int32),
+                "param_norm": _f32(host["param_norm"]) if n_params else np.zeros(0, np.float32),
+            },
+            "modules": {"output_absmax": mods["output_absmax"]},
+        }
         if "acts" in mods:
-            w.put("activations", {"step": step, **mods["acts"]})
+            rows["activations"] = {"step": step, **mods["acts"]}
         if "update_num" in host:
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = host["update_num"] / host["update_den"]
-            w.put("updates", {"step": step, "ratio": ratio.astype(np.float32)})
+            rows["updates"] = {"step": step, "ratio": _f32(ratio)}
+        self.writer.put(rows)
 
     def _copy_weights(self):
         # One copy of the weights, taken every update_ratio_every steps for the update ratio.

@@ -46,8 +46,8 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     origin = steps["nonfinite_origin"].to_numpy()
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0
     g_bad = rt.param_stat("grad_nonfinite").to_numpy()
-    g_norm = rt.param_stat("grad_norm").to_numpy()
-    grad_bad = (g_bad > 0) | np.isinf(g_norm)
+    # Counts, not norms: an Inf norm can be an overflow of finite gradients.
+    grad_bad = g_bad > 0
     w_bad = ~np.isfinite(rt.param_stat("param_norm").to_numpy())
     any_bad = loss_bad | (origin >= 0) | batch_bad | grad_bad.any(axis=1) | w_bad.any(axis=1)
     bad_rows = np.flatnonzero(any_bad)

@@ -1,0 +1,176 @@
+"""The ``torchautopsy`` command: analyze and describe run directories.
+
+Unusable input (missing, empty, foreign, truncated or newer traces) gives one line on stderr and
+exit code 2; ``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from .errors import TraceError
+from .findings import SEVERITIES, Finding
+from .run import analyze as run_detectors
+from .trace import Trace, load
+
+
+class InputError(click.ClickException):
+    """Bad input: one line, exit code 2 (click's own usage errors also exit 2)."""
+
+    exit_code = 2
+
+
+def _load(run_dir: str) -> Trace:
+    try:
+        return load(run_dir)
+    except TraceError as e:
+        raise InputError(str(e)) from None
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _describe_run(trace: Trace) -> str:
+    rt0 = next(iter(trace.ranks.values()))
+    steps = max(r.n_steps for r in trace.ranks.values())
+    n_ranks = len(trace.ranks)
+    return (f"{rt0.meta.get('model_class', '?')} ({rt0.meta.get('n_parameters', 0):,} parameters), "
+            f"{n_ranks} rank{'s' if n_ranks != 1 else ''}, {steps:,} steps, "
+            f"{rt0.wall_time_s:.1f} s")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="torchautopsy")
+def cli():
+    """Find what went wrong in a PyTorch training run recorded by torchautopsy.Recorder."""
+
+
+def main(argv=None) -> None:
+    """Entry point: click's usage errors shortened to one line, exit code 2."""
+    try:
+        code = cli.main(args=argv, prog_name="torchautopsy", standalone_mode=False)
+    except click.UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `torchautopsy`: show the help
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        click.echo(f"Error: {e.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    sys.exit(code or 0)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the findings as JSON.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
+@click.option("--md", "md_path", type=click.Path(dir_okay=False), help="Write a short Markdown report for a ticket.")
+@click.option("--fail-on", type=click.Choice(["error", "warning", "info", "none"]), default="none",
+              show_default=True, help="Exit with 1 when a finding of this severity or worse is found.")
+def analyze(run_dir, json_path, html_path, md_path, fail_on):
+    """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
+    trace = _load(run_dir)
+    try:
+        findings = run_detectors(trace)
+    except TraceError as e:
+        raise InputError(str(e)) from None
+
+    click.echo(f"torchautopsy: {trace.run_dir}: {_describe_run(trace)}")
+    for rt in trace.ranks.values():
+        if not rt.closed_cleanly:
+            click.echo(f"  note: rank {rt.rank} did not close its trace (job killed?); "
+                       f"analyzed the {rt.n_steps:,} steps it flushed")
+    if not findings:
+        click.echo("No problem found (checked: nonfinite, exploding_gradients, vanishing_gradients).")
+    for f in findings:
+        click.echo(_finding_line(f))
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+    if findings:
+        click.echo(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n))
+
+    if json_path:
+        doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
+        _write(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        click.echo(f"wrote {json_path}")
+    if html_path or md_path:
+        from ..reports import render_html, render_markdown  # matplotlib/jinja only when asked
+
+        if html_path:
+            _write(html_path, render_html(trace, findings))
+            click.echo(f"wrote {html_path}")
+        if md_path:
+            _write(md_path, render_markdown(trace, findings))
+            click.echo(f"wrote {md_path}")
+
+    if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
+        sys.exit(1)
+
+
+def _finding_line(f: Finding) -> str:
+    where = ", ".join(w or "(model)" for w in f.where[:3]) or "-"
+    step = f"step {f.step:,}" if f.step is not None else "-"
+    rank = f"rank {f.rank}" if f.rank is not None else ""
+    head = f"  {f.severity.upper():8} {f.kind:20} {rank:7} {step:12} {where}"
+    return f"{head}\n      {f.summary}"
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path())
+def info(run_dir):
+    """Describe RUN_DIR: ranks, steps, time span, what was recorded, size, versions."""
+    trace = _load(run_dir)
+    click.echo(f"run directory  {trace.run_dir}")
+    click.echo(f"size on disk   {_human_bytes(trace.size_bytes)} in {len(trace.ranks)} file(s)")
+    for rt in trace.ranks.values():
+        m = rt.meta
+        steps = rt.step_index
+        span = f"{steps[0]:,}-{steps[-1]:,}" if len(steps) else "none"
+        cfg = m.get("config", {})
+        try:
+            n_act = len(rt.activation_stat("mean"))
+            n_upd = len(rt.update_ratio())
+        except TraceError:
+            n_act = n_upd = 0
+        state = "closed cleanly" if rt.closed_cleanly else "not closed (job killed or still running)"
+        click.echo(f"\nrank {rt.rank} of {m.get('world_size', 1)}   {os.path.basename(rt.path)}, "
+                   f"{_human_bytes(rt.size_bytes)}, {state}"
+                   + (f", end: {m['end_reason']}" if m.get("end_reason") else ""))
+        click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from {m.get('start_time', '?')}")
+        click.echo(f"  model        {m.get('model_class', '?')}, {m.get('n_parameters', 0):,} parameters")
+        click.echo(f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
+                   f"outputs every step; activation statistics at {n_act} steps (every "
+                   f"{cfg.get('activations_every', '?')}); update ratios at {n_upd} steps (every "
+                   f"{cfg.get('update_ratio_every', '?')})")
+        if m.get("dropped_steps"):
+            click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
+        click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
+        click.echo(f"  versions     trace schema {m.get('schema_version')}, {m.get('created_by', '?')}, "
+                   f"torch {m.get('torch_version', '?')}, python {m.get('python_version', '?')}")
+    for path, reason in trace.unreadable.items():
+        click.echo(f"\nunreadable     {reason}")
+
+
+if __name__ == "__main__":
+    main()
