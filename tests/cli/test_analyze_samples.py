@@ -1,0 +1,61 @@
+"""Each shipped sample trace gives its expected finding through the real CLI; healthy gives none."""
+
+import json
+
+import pytest
+
+from tests.helpers import SAMPLES, run_cli
+
+EXPECTED = json.loads((SAMPLES / "expected.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_sample_trace(case, tmp_path):
+    out = tmp_path / "findings.json"
+    r = run_cli("analyze", SAMPLES / case, "--json", out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    findings = json.loads(out.read_text())["findings"]
+    for f in findings:
+        assert set(f) >= {"kind", "severity", "step", "where", "summary", "evidence", "advice", "rank"}
+        assert f["severity"] in ("error", "warning", "info")
+        assert f["rank"] == 0
+    serious = [f for f in findings if f["severity"] in ("error", "warning")]
+    exp = EXPECTED[case]
+    if exp["kind"] is None:
+        assert serious == [], serious
+        assert "No problem found" in r.stdout
+        return
+    hits = [f for f in serious if f["kind"] == exp["kind"]]
+    assert hits, f"{case}: expected {exp['kind']}, got {[f['kind'] for f in findings]}"
+    f = hits[0]
+    assert f["step"] == exp["step"], (f["step"], exp["step"])
+    assert set(exp["where"]) & set(f["where"]), (f["where"], exp["where"])
+    assert f["evidence"] and f["advice"]
+    assert exp["kind"] in r.stdout and f"step {exp['step']}" in r.stdout
+
+
+def test_fail_on_sets_exit_code(tmp_path):
+    bad = SAMPLES / "nan_birth"
+    assert run_cli("analyze", bad).returncode == 0  # default: never fail
+    assert run_cli("analyze", bad, "--fail-on", "error").returncode == 1
+    assert run_cli("analyze", bad, "--fail-on", "warning").returncode == 1
+    assert run_cli("analyze", SAMPLES / "vanishing_sigmoid", "--fail-on", "error").returncode == 0
+    assert run_cli("analyze", SAMPLES / "vanishing_sigmoid", "--fail-on", "warning").returncode == 1
+    assert run_cli("analyze", SAMPLES / "healthy_mlp", "--fail-on", "info").returncode == 0
+
+
+def test_nonfinite_names_the_birthplace_not_the_carriers(tmp_path):
+    out = tmp_path / "f.json"
+    run_cli("analyze", SAMPLES / "nan_birth", "--json", out)
+    (f,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
+    assert f["where"] == ["features.log"]
+    assert f["evidence"]["stage"] == "forward"
+    assert f["evidence"]["modules_with_nonfinite_output"] > 1  # later modules carried it on
+
+
+def test_info_describes_the_run():
+    r = run_cli("info", SAMPLES / "healthy_mlp", block_torch=True)
+    assert r.returncode == 0, r.stderr
+    for needle in ("rank 0 of 1", "300 (0-299)", "closed cleanly", "parameter tensors",
+                   "trace schema 1", "torch 2.", "KB"):
+        assert needle in r.stdout, (needle, r.stdout)

@@ -1,0 +1,71 @@
+"""Every kind of unusable input: one line on stderr saying what is wrong, exit 2, no traceback."""
+
+import shutil
+
+import h5py
+import pytest
+
+from tests.helpers import SAMPLES, run_cli
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert lines[0].startswith("Error: ")
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["analyze", "info"])
+def test_missing_path(tmp_path, command):
+    r = run_cli(command, tmp_path / "nope")
+    assert_one_line_error(r, "does not exist", "Recorder(model, run_dir)")
+
+
+def test_empty_directory(tmp_path):
+    assert_one_line_error(run_cli("analyze", tmp_path), "holds no rank*.h5")
+
+
+def test_not_hdf5(tmp_path):
+    (tmp_path / "rank0.h5").write_text("this is a CSV, not a trace\n1,2,3\n")
+    assert_one_line_error(run_cli("analyze", tmp_path), "not an HDF5 file")
+
+
+@pytest.mark.parametrize("keep", [0, 5, 4096, 0.5])
+def test_truncated(tmp_path, keep):
+    data = (SAMPLES / "healthy_mlp" / "rank0.h5").read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else keep
+    (tmp_path / "rank0.h5").write_bytes(data[:n])
+    r = run_cli("analyze", tmp_path, timeout=60)
+    assert_one_line_error(r, "rank0.h5")
+    assert "truncated" in r.stderr or "corrupt" in r.stderr
+
+
+def test_foreign_hdf5(tmp_path):
+    with h5py.File(tmp_path / "rank0.h5", "w") as f:
+        f["weights"] = [1.0, 2.0]
+    assert_one_line_error(run_cli("info", tmp_path), "not a torchautopsy trace")
+
+
+def test_newer_schema(tmp_path):
+    shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", tmp_path / "rank0.h5")
+    with h5py.File(tmp_path / "rank0.h5", "r+") as f:
+        f.attrs["schema_version"] = 99
+    assert_one_line_error(run_cli("analyze", tmp_path), "schema 99", "pip install -U torchautopsy")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["analyze", str(SAMPLES / "healthy_mlp"), "--fail-on", "bogus"], "--fail-on"),
+    (["analyze", str(SAMPLES / "healthy_mlp"), "--no-such-option"], "--no-such-option"),
+    (["analyze"], "RUN_DIR"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_wrong_usage(args, needle):
+    assert_one_line_error(run_cli(*args), needle)
+
+
+def test_unwritable_output(tmp_path):
+    r = run_cli("analyze", SAMPLES / "healthy_mlp", "--json", tmp_path / "no" / "such" / "dir.json")
+    assert_one_line_error(r, "cannot write")
