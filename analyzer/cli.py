@@ -13,7 +13,7 @@ import sys
 import click
 
 from .errors import TraceError
-from .findings import SEVERITIES, Finding
+from .findings import SEVERITIES, Finding, first_to_go_wrong
 from .run import analyze as run_detectors
 from .trace import Trace, load
 
@@ -106,6 +106,11 @@ def analyze(run_dir, json_path, html_path, md_path, fail_on):
         click.echo("No problem found (checked: nonfinite, exploding_gradients, vanishing_gradients).")
     for f in findings:
         click.echo(_finding_line(f))
+    first = first_to_go_wrong(findings)
+    ranks_hit = {f.rank for f in findings if f.severity in ("error", "warning")}
+    if first is not None and len(trace.ranks) > 1 and len(ranks_hit) > 1:
+        click.echo(f"rank {first.rank} went wrong first: {first.kind} at step {first.step:,}"
+                   + (f" ({first.evidence['stage']})" if "stage" in first.evidence else ""))
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     if findings:
         click.echo(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n))

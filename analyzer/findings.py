@@ -40,9 +40,25 @@ class Finding:
         return _RANK[self.severity] <= _RANK[level]
 
 
+# Within one step, where a fault can arise, in the order the step runs them.
+STAGES = ("batch", "forward", "loss", "backward", "optimizer")
+
+
+def _order(f: Finding):
+    stage = f.evidence.get("stage") if isinstance(f.evidence, dict) else None
+    stage_i = STAGES.index(stage) if stage in STAGES else len(STAGES)
+    return (f.step is None, f.step or 0, stage_i, f.rank or 0)
+
+
 def sort_findings(findings: list[Finding]) -> list[Finding]:
-    """Most severe first, then earliest step (no step last), then rank."""
-    return sorted(findings, key=lambda f: (_RANK[f.severity], f.step is None, f.step or 0, f.rank or 0))
+    """Most severe first; then earliest step (no step last), stage within the step, rank."""
+    return sorted(findings, key=lambda f: (_RANK[f.severity], *_order(f)))
+
+
+def first_to_go_wrong(findings: list[Finding]) -> Finding | None:
+    """The earliest warning or error in time (step, then stage within the step), any rank."""
+    serious = [f for f in findings if f.severity in ("error", "warning") and f.step is not None]
+    return min(serious, key=_order) if serious else None
 
 
 def _jsonable(x):

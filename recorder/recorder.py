@@ -117,22 +117,19 @@ class Recorder:
             "command": " ".join(sys.argv)[:4096],
             "closed": False,
         }
-        static = {
+        static = {  # name: (values, dtype)
             "params": {
-                "name": self._param_names,
-                "shape": [json.dumps(list(p.shape)) for p in self._params],
-                "numel": [int(p.numel()) for p in self._params],
-                "dtype": [str(p.dtype).replace("torch.", "") for p in self._params],
+                "name": (self._param_names, "str"),
+                "shape": ([json.dumps(list(p.shape)) for p in self._params], "str"),
+                "numel": ([int(p.numel()) for p in self._params], "i8"),
+                "dtype": ([str(p.dtype).replace("torch.", "") for p in self._params], "str"),
             },
             "modules": {
-                "name": self.watcher.names,
-                "type": self.watcher.types,
-                "is_leaf": [int(x) for x in self.watcher.is_leaf],
+                "name": (self.watcher.names, "str"),
+                "type": (self.watcher.types, "str"),
+                "is_leaf": ([int(x) for x in self.watcher.is_leaf], "i8"),
             },
         }
-        if not self._params:  # h5py cannot infer a dtype from empty lists
-            static["params"] = {"name": np.zeros(0, dtype=object), "shape": np.zeros(0, dtype=object),
-                                "numel": np.zeros(0, dtype="i8"), "dtype": np.zeros(0, dtype=object)}
         self.writer = TraceWriter(
             self.path, attrs, static, table_layout(n_params, n_modules),
             flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,

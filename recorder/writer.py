@@ -30,7 +30,7 @@ _STR = h5py.string_dtype("utf-8")
 class Column:
     name: str
     dtype: str
-    width: int = 0  # 0: one value per row; N: N values per row (one per parameter/module)
+    width: int | None = None  # None: one value per row; N: N values (one per parameter/module)
 
 
 # Tables written per step or per sample; each is an HDF5 group of equally long datasets.
@@ -79,7 +79,7 @@ _FLUSH = object()
 
 
 class TraceWriter:
-    def __init__(self, path: str, attrs: dict, static: dict[str, dict[str, list]],
+    def __init__(self, path: str, attrs: dict, static: dict[str, dict[str, tuple[list, str]]],
                  tables: dict[str, list[Column]], flush_every_s: float, write_every_steps: int,
                  queue_size: int):
         self.path = path
@@ -99,20 +99,22 @@ class TraceWriter:
         set_attrs(self._f, attrs)
         for group, datasets in static.items():
             g = self._f.require_group(group)
-            for name, values in datasets.items():
-                if values and isinstance(values[0], str):
-                    g.create_dataset(name, data=np.array(values, dtype=object), dtype=_STR)
+            for name, (values, dtype) in datasets.items():
+                if dtype == "str":
+                    g.create_dataset(name, data=np.array(values, dtype=object).reshape(-1), dtype=_STR)
                 else:
-                    g.create_dataset(name, data=np.asarray(values))
+                    g.create_dataset(name, data=np.asarray(values, dtype=dtype).reshape(-1))
         self._ds: dict[str, dict[str, h5py.Dataset]] = {}
         for table, cols in tables.items():
             g = self._f.require_group(table)
             self._ds[table] = {}
             for c in cols:
-                shape = (0, c.width) if c.width else (0,)
-                maxshape = (None, c.width) if c.width else (None,)
                 item = np.dtype(c.dtype).itemsize
-                chunks = (_chunk_rows(c.width, item), c.width) if c.width else (_chunk_rows(1, item),)
+                if c.width is None:
+                    shape, maxshape, chunks = (0,), (None,), (_chunk_rows(1, item),)
+                else:  # a model without parameters still gets its (steps x 0) datasets
+                    shape, maxshape = (0, c.width), (None, c.width or None)
+                    chunks = (_chunk_rows(c.width, item), max(1, c.width))
                 self._ds[table][c.name] = g.create_dataset(
                     c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
                     fillvalue=np.nan if c.dtype.startswith("f") else 0,

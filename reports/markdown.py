@@ -1,0 +1,85 @@
+"""A Markdown report short enough to paste into a ticket (at most ~40 lines).
+
+Names from the trace are escaped (a module called ``<img onerror=...>`` stays text in a tracker
+that renders HTML inside Markdown) and table cells are kept to one short line.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from ..analyzer.findings import Finding
+from ..analyzer.trace import Trace
+from .summary import ending, plural, steps_span, verdict
+
+# 16 fixed lines and at most MAX_ROWS table rows: under 40 lines.
+MAX_ROWS = 20
+_CELL_CHARS = {"kind": 28, "where": 60, "summary": 160}
+_VERDICT_CHARS = 400
+# CommonMark lets any ASCII punctuation be backslash-escaped; these would otherwise make markup
+# (code spans, emphasis, links, HTML tags, table cells, entities).
+_SPECIAL = re.compile(r"([\\`*\[\]<>|&])")
+
+
+def render_markdown(trace: Trace, findings: list[Finding]) -> str:
+    """The ticket-sized report of ``trace`` and its ``findings`` (sorted as the analyzer returns them)."""
+    lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
+             _verdict_line(findings), ""]
+    lines += _findings_table(findings) if findings else ["No findings."]
+    command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html"
+    fence = "`" * max(3, _longest_backtick_run(command) + 1)
+    lines += ["", "Full report with evidence and plots:", "", fence, command, fence]
+    return "\n".join(lines) + "\n"
+
+
+def md_text(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters, with Markdown's special characters escaped."""
+    text = " ".join(str(text).split())
+    if len(text) > width:
+        text = text[: width - 1] + "…"
+    return _SPECIAL.sub(r"\\\1", text)
+
+
+def _run_line(trace: Trace) -> str:
+    ranks = list(trace.ranks.values())
+    meta = ranks[0].meta
+    steps = (steps_span(ranks[0]) if len({r.n_steps for r in ranks}) == 1
+             else "steps " + ", ".join(f"{r.n_steps} on rank {r.rank}" for r in ranks))
+    ends = sorted({ending(r) for r in ranks})
+    text = (f"{meta.get('model_class', 'unknown')} ({int(meta.get('n_parameters', 0)):,} parameters), "
+            f"{steps}, {plural(len(ranks), 'rank')}; ended: {'; '.join(ends)}")
+    if trace.unreadable:
+        text += f"; {len(trace.unreadable)} rank file(s) unreadable"
+    return "**Run:** " + md_text(text, 400)
+
+
+def _verdict_line(findings: list[Finding]) -> str:
+    v = verdict(findings)
+    if v.problem is None:
+        return f"**Verdict:** No problem found (checked: {', '.join(v.checked)})."
+    p = v.problem
+    at = "".join([f" at step {p.step}" if p.step is not None else "",
+                  f" on rank {p.rank}" if p.rank is not None else ""])
+    return f"**Verdict:** {p.severity} {p.kind}{at}: {md_text(p.summary, _VERDICT_CHARS)}"
+
+
+def _findings_table(findings: list[Finding]) -> list[str]:
+    rows = ["| severity | kind | rank | step | where | summary |", "| --- | --- | --- | --- | --- | --- |"]
+    for f in findings[:MAX_ROWS]:
+        cells = [
+            f.severity,
+            md_text(f.kind, _CELL_CHARS["kind"]),
+            "" if f.rank is None else str(f.rank),
+            "" if f.step is None else str(f.step),
+            md_text(", ".join(w or "(model)" for w in f.where), _CELL_CHARS["where"]),
+            md_text(f.summary, _CELL_CHARS["summary"]),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    if len(findings) > MAX_ROWS:
+        rows += ["", f"_{len(findings) - MAX_ROWS} more finding(s) in the HTML or JSON report._"]
+    return rows
+
+
+def _longest_backtick_run(text: str) -> int:
+    return max((len(m) for m in re.findall(r"`+", text)), default=0)
