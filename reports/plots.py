@@ -70,7 +70,7 @@ def plot_loss(losses: dict[str, pd.Series], ax, marks: Sequence[tuple[int, str, 
     if values.size and values.min() > 0 and values.max() / values.min() > 100:
         ax.set_yscale("log")
     _mark_steps(ax, marks)
-    _step_axis(ax)
+    _step_axis(ax, [s.index.to_numpy() for s in losses.values()])
     ax.set_ylabel("loss")
     _legend(ax, loc="best", fontsize=8)
 
@@ -104,7 +104,7 @@ def plot_grad_norms(grad_norm: pd.DataFrame, ax, total: pd.Series | None = None,
     if _has_data(ax):
         ax.set_yscale("log")
     _mark_steps(ax, marks, legend=False)
-    _step_axis(ax)
+    _step_axis(ax, [steps])
     ax.set_ylabel("gradient L2 norm")
     _legend(ax, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
 
@@ -123,7 +123,14 @@ def _mark_steps(ax, marks: Sequence[tuple[int, str, str]], legend: bool = True) 
                    label=shorten(label) if legend else None)
 
 
-def _step_axis(ax) -> None:
+def _step_axis(ax, step_arrays: Sequence[np.ndarray] = ()) -> None:
+    """Label the step axis; span every recorded step, so that steps after a run went NaN (gaps
+    in the lines) still show as part of the run."""
+    spans = [a for a in step_arrays if len(a)]
+    if spans:
+        lo, hi = min(a.min() for a in spans), max(a.max() for a in spans)
+        if hi > lo:
+            ax.set_xlim(lo, hi)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
