@@ -14,6 +14,7 @@ from ..config import ExplodingGradientsConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
+from ._missing import no_gradients
 
 KIND = "exploding_gradients"
 REQUIRES = ("params/grad_norm",)
@@ -26,6 +27,9 @@ ADVICE = (
 
 
 def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
+    missing = no_gradients(rt, KIND)
+    if missing:
+        return missing
     total = rt.total_grad_norm.to_numpy()
     steps = rt.step_index
     finite = np.isfinite(total) & (total > 0)

@@ -18,6 +18,7 @@ from ..config import VanishingGradientsConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
+from ._missing import no_gradients
 
 KIND = "vanishing_gradients"
 REQUIRES = ("params/grad_norm",)
@@ -31,6 +32,9 @@ ADVICE = (
 
 
 def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
+    missing = no_gradients(rt, KIND)
+    if missing:
+        return missing
     weights = [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
     if len(weights) < 3:
         return []
@@ -53,8 +57,11 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         early_min = np.nanmin(med[early])
         late_med = np.nanmedian(med[late])
         per_step = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
-    if not (np.isfinite(early_min) and np.isfinite(late_med)) or late_med <= 0:
+    if not (np.isfinite(early_min) and np.isfinite(late_med)):
         return []
+    names = [rt.param_names[j] for j in weights]
+    if late_med <= 0:
+        return _all_zero(rt, med, names, win, cfg)
     ratio = early_min / late_med
     near_zero = early_min < cfg.near_zero_rms
     if not (ratio < cfg.ratio or near_zero):
@@ -63,7 +70,6 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     below = trailing_median(per_step, cfg.onset_window) < cfg.ratio
     onset = np.flatnonzero(below)
     step_i = int(onset[0]) if onset.size else int(win[0])
-    names = [rt.param_names[j] for j in weights]
     worst = [names[j] for j in np.argsort(med[early])[:3] if med[early][j] <= ratio * 10 * late_med or near_zero]
     where = worst or [names[int(np.nanargmin(med[early]))]]
     evidence = {
@@ -81,3 +87,19 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         summary = (f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {where[0]}, "
                    f"steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}).")
     return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]
+
+
+def _all_zero(rt: RankTrace, med: np.ndarray, names: list[str], win: np.ndarray,
+              cfg: VanishingGradientsConfig) -> list[Finding]:
+    """The late layers' gradients are zero: if the early ones are too, nothing learns."""
+    if np.nanmax(med) >= cfg.near_zero_rms:
+        return []
+    span = [int(rt.step_index[win[0]]), int(rt.step_index[win[-1]])]
+    summary = (f"Every weight gradient is zero (or below {cfg.near_zero_rms:g} RMS) over steps "
+               f"{span[0]}-{span[1]}: no layer is learning.")
+    evidence = {"window_steps": span, "max_grad_rms": float(np.nanmax(med)),
+                "weights_checked": len(names)}
+    advice = ("A gradient of exactly zero everywhere usually means the loss does not depend on the "
+              "parameters: a detach() or torch.no_grad() in the forward pass, a final ReLU whose "
+              "units are all dead, or a loss on a constant. " + ADVICE)
+    return [Finding(KIND, "warning", span[0], names[:3], summary, evidence, advice)]

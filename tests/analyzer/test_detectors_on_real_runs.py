@@ -1,0 +1,78 @@
+"""Detectors on traces of real training runs made in the test: the edge cases users hit."""
+
+import json
+
+import torch
+from torch import nn
+
+from torchautopsy import Recorder, load
+from torchautopsy.analyzer.run import analyze
+
+
+def mlp(depth=3, width=32, act=nn.ReLU):
+    layers, d = [], 8
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), act()]
+        d = width
+    return nn.Sequential(*layers, nn.Linear(d, 1))
+
+
+def train(run_dir, model, steps=60, lr=0.05, step_before_zero_grad=True, loss_scale=None):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    with Recorder(model, run_dir) as rec:
+        for step in range(steps):
+            x = torch.randn(32, 8, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            if loss_scale:
+                loss = loss * loss_scale(step)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step_before_zero_grad:
+                rec.step(loss=loss)
+            else:
+                opt.zero_grad(set_to_none=True)  # the mistake: gradients gone before rec.step()
+                rec.step(loss=loss)
+    return load(run_dir)
+
+
+def kinds(findings, severities=("error", "warning")):
+    return [f.kind for f in findings if f.severity in severities]
+
+
+def test_healthy_run_is_quiet(tmp_path):
+    torch.manual_seed(0)
+    findings = analyze(train(tmp_path, mlp(), lr=0.01))
+    assert kinds(findings) == [], [f.summary for f in findings]
+
+
+def test_gradients_read_after_zero_grad_say_so_instead_of_crashing(tmp_path):
+    torch.manual_seed(0)
+    findings = analyze(train(tmp_path, mlp(), step_before_zero_grad=False))
+    info = [f for f in findings if f.severity == "info"]
+    assert {f.kind for f in info} == {"exploding_gradients", "vanishing_gradients"}
+    assert all("before the next optimizer.zero_grad()" in f.advice for f in info)
+    assert kinds(findings) == []
+
+
+def test_one_bad_batch_is_a_spike_warning_not_an_error(tmp_path):
+    # One batch with a loss 1e4 times too large (think: a corrupt label) at step 40, then normal.
+    torch.manual_seed(0)
+    findings = analyze(train(tmp_path, mlp(), lr=1e-5, loss_scale=lambda s: 1e4 if s == 40 else 1.0))
+    (f,) = [f for f in findings if f.kind == "exploding_gradients"]
+    assert f.severity == "warning" and f.step == 40, f.summary
+    json.dumps(f.to_dict(), allow_nan=False)
+
+
+def test_zero_gradients_everywhere_is_flagged(tmp_path):
+    # The output passes through a ReLU whose pre-activations are all negative: nothing learns.
+    torch.manual_seed(0)
+    model = mlp()
+    model.append(nn.ReLU())
+    with torch.no_grad():
+        model[-2].bias.fill_(-100.0)
+    findings = analyze(train(tmp_path, model))
+    (f,) = [f for f in findings if f.kind == "vanishing_gradients"]
+    assert f.severity == "warning" and "zero" in f.summary
