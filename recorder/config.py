@@ -15,6 +15,17 @@ class RecorderConfig:
     # Update-to-weight ratio ||w_after - w_before|| / ||w_before||. It needs a copy of the
     # weights taken one step earlier, so it is sampled: one copy every 10 steps.
     update_ratio_every: int = 10
+    # Per-unit activity of ReLU-family/GELU outputs (dead units) and saturation of tanh/sigmoid
+    # are accumulated on the device every step and written once per window of this many steps.
+    # 50 steps: a unit that fired once in 50 batches is alive; 1,000 steps give 20 windows.
+    activity_window: int = 50
+    # Attention entropy/max weight/sink share per head, on sampled steps (each costs a second
+    # softmax over a 4-sequence slice of the batch, so it is sampled like activations).
+    attention_every: int = 10
+    # Census of live tensors (count, bytes, how many hold an autograd graph) through the garbage
+    # collector's object list: every 50 steps at most, and less often if a census would take more
+    # than 1% of the training time (it walks every Python object: ~10-100 ms).
+    census_every: int = 50
     # The writer thread writes and flushes the file at least this often (seconds). A job killed
     # by SIGKILL loses at most this much.
     flush_every_s: float = 5.0
@@ -27,7 +38,8 @@ class RecorderConfig:
     handle_sigterm: bool = True
 
     def __post_init__(self):
-        for f in ("activations_every", "update_ratio_every", "write_every_steps", "queue_size"):
+        for f in ("activations_every", "update_ratio_every", "write_every_steps", "queue_size",
+                  "activity_window", "attention_every", "census_every"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Recorder option {f} must be a positive integer, got {v!r}")

@@ -23,17 +23,34 @@ class ModuleWatcher:
         self.names = [name for name, _ in model.named_modules()]
         self.types = [type(m).__name__ for _, m in model.named_modules()]
         self.is_leaf = [len(list(m.children())) == 0 for _, m in model.named_modules()]
+        self.modules = [m for _, m in model.named_modules()]
         self._on_error = on_error
-        self._handles = [
-            m.register_forward_hook(self._make_hook(i)) for i, (_, m) in enumerate(model.named_modules())
-        ]
+        # Which module's forward is running, innermost last, with per-forward call counters:
+        # a function called inside a forward (F.relu, F.scaled_dot_product_attention) is
+        # attributed to the innermost module, and told apart by its call number.
+        self.stack: list[list[int]] = []  # [module index, activation calls, attention calls]
+        self._handles = []
+        for i, m in enumerate(self.modules):
+            self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._handles.append(m.register_forward_hook(self._make_hook(i)))
         self.sample_activations = False
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
         self._reset()
 
+    def current(self) -> list[int] | None:
+        """The frame of the innermost module whose forward is running, or None."""
+        return self.stack[-1] if self.stack else None
+
+    def producer(self, x) -> int:
+        """Index of the module whose forward returned tensor x this step, or -1."""
+        hit = self._producers.get(id(x))
+        return hit[1] if hit is not None and hit[0]() is x else -1
+
     def _reset(self) -> None:
+        self.stack = []
+        self._producers: dict[int, tuple[weakref.ref, int]] = {}
         self._mins: list[torch.Tensor] = []  # one (min, max) pair per checked tensor this step
         self._maxs: list[torch.Tensor] = []
         self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (ref, pair index)
@@ -59,8 +76,17 @@ class ModuleWatcher:
         self._seen[key] = (weakref.ref(x), idx)
         return idx
 
+    def _make_pre_hook(self, index: int):
+        def pre_hook(module, args):
+            self.stack.append([index, 0, 0])
+
+        return pre_hook
+
     def _make_hook(self, index: int):
         def hook(module, args, output):
+            # Pop this module's frame (and any left by a forward that raised inside it).
+            while self.stack and self.stack.pop()[0] != index:
+                pass
             try:
                 with torch.no_grad():
                     outs = floating_tensors(output)
@@ -68,6 +94,8 @@ class ModuleWatcher:
                         return
                     ins = [self._check(x) for x in floating_tensors(args)]
                     self._calls.append((index, ins, [self._check(x) for x in outs]))
+                    if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
+                        self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
                     if self.sample_activations:
                         s = activation_stats(outs[0])
                         prev = self._acts.get(index)

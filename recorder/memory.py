@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import sys
@@ -33,3 +34,31 @@ def cuda_bytes(device: torch.device | None) -> tuple[int, int, int]:
         torch.cuda.memory_reserved(device),
         torch.cuda.max_memory_allocated(device),
     )
+
+
+def tensor_census() -> tuple[int, int, int]:
+    """(live tensors, their storage bytes, how many hold an autograd graph), from gc's objects.
+
+    Walks every object the garbage collector tracks: costs ~10-100 ms, so it runs sparsely.
+    Storages shared by several tensors (views) are counted once.
+    """
+    n = with_graph = nbytes = 0
+    storages: set[tuple[str, int]] = set()
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn when their
+        # __class__ is looked up, and a census must not print into the user's job.
+        if not issubclass(type(obj), tensor):
+            continue
+        n += 1
+        try:
+            if obj.grad_fn is not None:
+                with_graph += 1
+            st = obj.untyped_storage()
+            key = (str(obj.device), st.data_ptr())
+            if key not in storages:
+                storages.add(key)
+                nbytes += st.nbytes()
+        except Exception:  # sparse, meta or otherwise storage-less tensors
+            continue
+    return n, nbytes, with_graph

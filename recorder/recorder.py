@@ -18,9 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import functional
+from .activity import ActivityTracker
+from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .hooks import ModuleWatcher
-from .memory import cuda_bytes, rss_bytes
+from .memory import cuda_bytes, rss_bytes, tensor_census
 from .stats import Packer
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -88,6 +91,10 @@ class Recorder:
         self._lock = threading.Lock()
         self.watcher = None
         self.writer = None
+        self.activity = None
+        self.attention = None
+        self._next_census = 0
+        self._step_times: list[float] = []
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -149,8 +156,11 @@ class Recorder:
             flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,
             queue_size=self.config.queue_size,
         )
+        self.activity = ActivityTracker(self.watcher, self.config.activity_window)
+        self.attention = AttentionTracker(self.watcher, self._fail)
+        functional.attach(self)
         self._active = True
-        self.watcher.sample_activations = self._is_sampled(0, self.config.activations_every)
+        self._set_schedule(0)
 
     def _install_signal_handlers(self) -> None:
         if not self.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
@@ -177,6 +187,24 @@ class Recorder:
     def _is_sampled(step: int, every: int) -> bool:
         return step % every == 0
 
+    def _set_schedule(self, step: int) -> None:
+        """Tell the hooks what the coming step records."""
+        self.watcher.sample_activations = self._is_sampled(step, self.config.activations_every)
+        self.attention.sampled = self._is_sampled(step, self.config.attention_every)
+        self.activity.step = self.attention.step = step
+
+    # -- observer of wrapped functions (functional.py) ---------------------------------------
+    def on_activation(self, fn, args, kwargs, out) -> None:
+        if self._active:
+            self.activity.on_activation(fn, args, kwargs, out)
+
+    def on_attention(self, fn, args, kwargs, out) -> None:
+        if self._active:
+            self.attention.on_attention(fn, args, kwargs, out)
+
+    def on_observer_error(self, e: BaseException) -> None:
+        self._fail(e)
+
     # -- per step -----------------------------------------------------------------------------
     def step(self, loss=None) -> None:
         """Mark the end of one training iteration (call it after ``optimizer.step()``)."""
@@ -187,7 +215,7 @@ class Recorder:
                 self._fail(e)
         self._step += 1
         if self._active:
-            self.watcher.sample_activations = self._is_sampled(self._step, self.config.activations_every)
+            self._set_schedule(self._step)
         if self.writer is not None and self.writer.error is not None and self._active:
             self._fail(self.writer.error)
 
@@ -218,6 +246,10 @@ class Recorder:
                     pk.add("update_num", torch._foreach_norm(delta))
                     pk.add("update_den", torch._foreach_norm(self._prev_weights))
             self.watcher.pack(pk)
+            window_ends = self.activity.window_ends(step)
+            if window_ends:
+                self.activity.pack(pk)
+            self.attention.pack(pk)
             host = pk.fetch()
 
             n_params = len(self._params)
@@ -270,7 +302,35 @@ class Recorder:
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = host["update_num"] / host["update_den"]
             rows["updates"] = {"step": step, "ratio": _f32(ratio)}
+        if window_ends:
+            rows["activity"] = self.activity.finish_window(step, host)
+        attn = self.attention.finish_step(step, host)
+        if attn is not None:
+            rows["attention"] = attn
+        # Sites first seen this step go in the same queue item as the rows that refer to them.
+        rows["activity_sites"] = self.activity.take_new_sites()
+        rows["attention_sites"] = self.attention.take_new_sites()
+        rows["steps"].update(self._census(step))
         self.writer.put(rows)
+
+    def _census(self, step: int) -> dict:
+        """Live tensor census on a sparse schedule that keeps its cost near 1% of training."""
+        none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
+        now = time.perf_counter()
+        self._step_times.append(now)
+        if step < self._next_census:
+            return none
+        t0 = time.perf_counter()
+        n, nbytes, graphs = tensor_census()
+        cost = time.perf_counter() - t0
+        times = self._step_times[-21:]
+        self._step_times = times
+        gap = self.config.census_every
+        if len(times) > 1:  # keep the census near 1% of the time of a step
+            step_s = (times[-1] - times[0]) / (len(times) - 1)
+            gap = max(gap, int(cost / (0.01 * max(step_s, 1e-9))) + 1)
+        self._next_census = step + gap
+        return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}
 
     def _copy_weights(self):
         # One copy of the weights, taken every update_ratio_every steps for the update ratio.
@@ -290,13 +350,30 @@ class Recorder:
             f"goes on; steps recorded before this are in {self.path}", RuntimeWarning, stacklevel=2,
         )
         try:
-            if self.watcher is not None:
-                self.watcher.remove()
+            self._unhook()
             if self.writer is not None:
                 self.writer.close({"closed": True, "end_reason": f"recorder error: {type(e).__name__}: {e}"[:1000],
                                    "n_steps_recorded": self._step})
         except Exception:
             pass
+
+    def _unhook(self) -> None:
+        functional.detach(self)
+        if self.attention is not None:
+            self.attention.remove()
+        if self.watcher is not None:
+            self.watcher.remove()
+
+    def _final_window(self) -> None:
+        """Write the activity of the last, partial window (a short run gets one too)."""
+        if self.activity is None or self._step == 0 or self.activity._window_start >= self._step:
+            return
+        pk = Packer()
+        with torch.no_grad():
+            self.activity.pack(pk)
+            host = pk.fetch()
+        self.writer.put({"activity": self.activity.finish_window(self._step - 1, host),
+                         "activity_sites": self.activity.take_new_sites()})
 
     def flush(self) -> None:
         """Write everything recorded so far to disk now."""
@@ -312,8 +389,9 @@ class Recorder:
             was_active = self._active
             self._active = False
         try:
-            if self.watcher is not None:
-                self.watcher.remove()
+            if was_active:
+                self._final_window()
+            self._unhook()
             if was_active and self.writer is not None:
                 self.writer.close({
                     "closed": True, "end_reason": reason, "end_unix": time.time(),

@@ -26,11 +26,20 @@ FORMAT_NAME = "torchautopsy-trace"
 _STR = h5py.string_dtype("utf-8")
 
 
+GROWS = -1  # width of a column whose rows get longer as new sites (layers, heads) are seen
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
-    dtype: str
-    width: int | None = None  # None: one value per row; N: N values (one per parameter/module)
+    dtype: str  # numpy dtype string, or "str" for UTF-8 strings
+    # None: one value per row; N: N values per row (one per parameter/module); GROWS: as many
+    # as seen so far (shorter earlier rows are padded with the fill value)
+    width: int | None = None
+
+
+def _fill(dtype: str):
+    return np.nan if dtype.startswith("f") else 0
 
 
 # Tables written per step or per sample; each is an HDF5 group of equally long datasets.
@@ -46,6 +55,10 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("cuda_peak_bytes", "i8"),
             Column("nonfinite_origin", "i4"),
             Column("batch_nonfinite", "i1"),
+            # Census of live tensors, every `census_every` steps (-1 on other steps).
+            Column("live_tensors", "i8"),
+            Column("live_tensor_bytes", "i8"),
+            Column("live_tensors_with_graph", "i8"),
         ],
         "params": [
             Column("grad_norm", "f4", n_params),
@@ -63,6 +76,41 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("nonfinite", "i4", n_modules),
         ],
         "updates": [Column("step", "i8"), Column("ratio", "f4", n_params)],
+        # Activation-function call sites (per unit activity, saturation), appended when first seen.
+        "activity_sites": [
+            Column("module", "i4"),  # index into modules/name: innermost module that called it
+            Column("function", "str"),  # relu, relu6, leaky_relu, gelu, hardtanh, tanh, sigmoid
+            Column("call", "i4"),  # n-th such call within one forward of that module
+            Column("param", "f8"),  # negative_slope of leaky_relu, max_val of hardtanh; else NaN
+            Column("unit_dim", "i4"),
+            Column("units", "i8"),  # 0 for sites without per-unit tracking (tanh, sigmoid)
+            Column("bit_offset", "i8"),  # where its units start in activity/ever_positive bits
+            Column("first_step", "i8"),
+        ],
+        # One row per window of `activity_window` steps.
+        "activity": [
+            Column("step_start", "i8"),
+            Column("step_end", "i8"),
+            Column("steps_seen", "i4", GROWS),  # per site: steps of the window it was called in
+            Column("ever_positive", "u1", GROWS),  # bits (little-endian per byte), one per unit
+            Column("saturated_frac", "f4", GROWS),  # per site: share of saturated outputs
+        ],
+        "attention_sites": [
+            Column("module", "i4"),
+            Column("source", "str"),  # MultiheadAttention or scaled_dot_product_attention
+            Column("call", "i4"),
+            Column("heads", "i4"),
+            Column("head_offset", "i8"),  # where its heads start in the per-head columns
+            Column("first_step", "i8"),
+        ],
+        "attention": [  # sampled steps
+            Column("step", "i8"),
+            Column("entropy", "f4", GROWS),  # per head: mean row entropy / log(allowed keys)
+            Column("max_weight", "f4", GROWS),  # per head: mean of each row's largest weight
+            Column("sink_share", "f4", GROWS),  # per head: share of mass on the top key
+            Column("head_similarity", "f4", GROWS),  # per site: mean pairwise cosine of heads
+            Column("keys", "i4", GROWS),  # per site: number of keys
+        ],
     }
 
 
@@ -109,24 +157,30 @@ class TraceWriter:
             g = self._f.require_group(table)
             self._ds[table] = {}
             for c in cols:
-                item = np.dtype(c.dtype).itemsize
-                if c.width is None:
-                    shape, maxshape, chunks = (0,), (None,), (_chunk_rows(1, item),)
-                else:  # a model without parameters still gets its (steps x 0) datasets
-                    shape, maxshape = (0, c.width), (None, c.width or None)
-                    chunks = (_chunk_rows(c.width, item), max(1, c.width))
-                self._ds[table][c.name] = g.create_dataset(
-                    c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
-                    fillvalue=np.nan if c.dtype.startswith("f") else 0,
-                )
+                self._ds[table][c.name] = self._create(g, c)
         self._f.flush()
         self._f.swmr_mode = True
         self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _create(g: h5py.Group, c: Column) -> h5py.Dataset:
+        if c.dtype == "str":
+            return g.create_dataset(c.name, shape=(0,), maxshape=(None,), dtype=_STR, chunks=(256,))
+        item = np.dtype(c.dtype).itemsize
+        if c.width is None:
+            shape, maxshape, chunks = (0,), (None,), (_chunk_rows(1, item),)
+        elif c.width == GROWS:
+            shape, maxshape, chunks = (0, 0), (None, None), (16, 512)
+        else:  # a model without parameters still gets its (steps x 0) datasets
+            shape, maxshape = (0, c.width), (None, c.width or None)
+            chunks = (_chunk_rows(c.width, item), max(1, c.width))
+        return g.create_dataset(c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
+                                fillvalue=_fill(c.dtype))
+
     # -- training thread ----------------------------------------------------------------------
-    def put(self, rows: dict[str, dict]) -> None:
-        """Queue one step's rows, {table: {column: value}}, as one item: all or none of them."""
+    def put(self, rows: dict[str, dict | list[dict]]) -> None:
+        """Queue one step's rows, {table: row or [rows]}, as one item: all or none of them."""
         try:
             self._q.put_nowait((None, rows))
         except queue.Full:
@@ -174,7 +228,10 @@ class TraceWriter:
                     continue
                 if row is not None:
                     for t, r in row.items():
-                        self._buf[t].append(r)
+                        if isinstance(r, list):
+                            self._buf[t].extend(r)
+                        else:
+                            self._buf[t].append(r)
                         if len(self._buf[t]) >= self.write_every:
                             self._write_table(t)
                 if time.monotonic() - last_flush >= self.flush_every_s:
@@ -208,7 +265,18 @@ class TraceWriter:
         n0, n = self._rows[table], len(rows)
         for c in self.tables[table]:
             ds = self._ds[table][c.name]
-            data = np.array([r[c.name] for r in rows], dtype=c.dtype)
+            values = [r[c.name] for r in rows]
+            if c.dtype == "str":
+                data = np.array(values, dtype=object)
+            elif c.width == GROWS:
+                width = max(ds.shape[1], max(len(v) for v in values))
+                data = np.full((n, width), _fill(c.dtype), dtype=c.dtype)
+                for i, v in enumerate(values):
+                    data[i, :len(v)] = v
+                if width > ds.shape[1]:
+                    ds.resize(width, axis=1)
+            else:
+                data = np.array(values, dtype=c.dtype)
             ds.resize(n0 + n, axis=0)
             ds[n0:n0 + n] = data
         self._rows[table] = n0 + n

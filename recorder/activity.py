@@ -1,0 +1,175 @@
+"""Per-unit activity of activation functions, accumulated on the device over a window of steps.
+
+For every call site of a ReLU-family function or GELU (an ``nn.ReLU`` module calls ``F.relu``,
+so module and function calls are one mechanism, see functional.py), each unit — a feature of
+a Linear output, a channel of a convolution — gets one bit per window: was its output ever
+positive. The bit is the running OR of ``amax over everything but the unit dimension > 0``,
+one reduction per call. A ReLU unit whose bit stays 0 is dead; for LeakyReLU it only ever
+leaked; for GELU its output was pinned at or below zero. Tanh and sigmoid sites instead count
+the share of outputs within 1% of their bounds (saturated).
+
+The bits cross to the host once per window, through the step's single transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .stats import Packer
+
+_UNIT_FUNCS = {"relu", "relu6", "leaky_relu", "gelu", "hardtanh"}
+_SATURATING = {"tanh", "sigmoid"}
+# Saturated: within 1% of the bound, |tanh| > 0.99 or sigmoid < 0.005 / > 0.995.
+SATURATION_LEVEL = 0.99
+# A site with more units than this is not tracked per unit (a flattened map, not a layer).
+MAX_UNITS = 1 << 16
+# Module types whose 3-D outputs are (batch, channels, length): their units are on dim 1.
+_CHANNELS_FIRST = ("Conv", "BatchNorm", "InstanceNorm", "MaxPool", "AvgPool", "AdaptiveAvgPool",
+                   "AdaptiveMaxPool", "LPPool", "Upsample", "ConvTranspose")
+
+
+@dataclass
+class _Site:
+    index: int
+    function: str
+    unit_dim: int
+    units: int
+    bit_offset: int
+    mask: torch.Tensor | None = None  # bool [units] on the device: ever positive this window
+    saturated: torch.Tensor | None = None  # float32 count of saturated outputs this window
+    numel: int = 0
+    seen_step: int = -1
+    steps_seen: int = 0
+
+
+class ActivityTracker:
+    def __init__(self, watcher, window: int):
+        self.watcher = watcher
+        self.window = window
+        self.sites: dict[tuple[int, str, int], _Site] = {}
+        self.step = 0
+        self._window_start = 0
+        self._bits = 0
+        self._new_sites: list[dict] = []
+
+    # -- called by the wrapped functions, inside forward -------------------------------------
+    def on_activation(self, fn: str, args, kwargs, out) -> None:
+        frame = self.watcher.current()
+        if frame is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        if fn == "hardtanh":  # nn.ReLU6 is hardtanh(0, 6); other hardtanh are not ReLU-like
+            lo = _arg(args, kwargs, 1, "min_val", -1.0)
+            if lo != 0.0:
+                return
+        frame[1] += 1
+        key = (frame[0], fn, frame[1] - 1)
+        site = self.sites.get(key)
+        with torch.no_grad():
+            y = out.detach()
+            if site is None:
+                site = self._new_site(key, args, kwargs, y)
+                if site is None:
+                    return
+            if site.seen_step != self.step:
+                site.seen_step = self.step
+                site.steps_seen += 1
+            if site.units:
+                if y.dim() == 0 or y.shape[site.unit_dim] != site.units:
+                    return
+                dims = [d for d in range(y.dim()) if d != site.unit_dim]
+                alive = (y.amax(dim=dims) > 0) if dims else (y > 0)
+                site.mask = alive if site.mask is None else site.mask | alive
+            elif fn in _SATURATING:
+                z = y.abs() if fn == "tanh" else (2 * y - 1).abs()
+                n = (z > SATURATION_LEVEL).sum(dtype=torch.float32)
+                site.saturated = n if site.saturated is None else site.saturated + n
+                site.numel += y.numel()
+
+    def _new_site(self, key, args, kwargs, y: torch.Tensor) -> _Site | None:
+        module, fn, call = key
+        units, unit_dim = 0, 0
+        if fn in _UNIT_FUNCS and y.dim() >= 1:
+            unit_dim = self._unit_dim(args, y)
+            units = int(y.shape[unit_dim])
+            if units > MAX_UNITS:
+                units = 0
+        elif fn not in _SATURATING:
+            return None
+        site = _Site(len(self.sites), fn, unit_dim, units, self._bits)
+        self._bits += units
+        self.sites[key] = site
+        param = math.nan
+        if fn == "leaky_relu":
+            param = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
+        elif fn == "hardtanh":
+            param = float(_arg(args, kwargs, 2, "max_val", 1.0))
+        self._new_sites.append({
+            "module": module, "function": fn, "call": call, "param": param,
+            "unit_dim": unit_dim, "units": units, "bit_offset": site.bit_offset,
+            "first_step": self.step,
+        })
+        return site
+
+    def _unit_dim(self, args, y: torch.Tensor) -> int:
+        if y.dim() <= 2:
+            return y.dim() - 1
+        if y.dim() >= 4:
+            return 1  # (N, C, H, W), (N, C, D, H, W): channels
+        x = args[0] if args else None
+        producer = self.watcher.producer(x) if isinstance(x, torch.Tensor) else -1
+        if producer < 0:  # inside a module (nn.ReLU): its input came from the module before
+            producer = self.watcher.producer(y)
+        if producer >= 0 and type(self.watcher.modules[producer]).__name__.startswith(_CHANNELS_FIRST):
+            return 1
+        return 2
+
+    # -- called at rec.step() ----------------------------------------------------------------
+    def window_ends(self, step: int) -> bool:
+        return (step + 1 - self._window_start) >= self.window
+
+    def pack(self, pk: Packer) -> None:
+        """Add the window's bits and counts to this step's one host transfer."""
+        masks = [s.mask if s.mask is not None else torch.zeros(s.units, dtype=torch.bool)
+                 for s in self.sites.values() if s.units]
+        if masks:
+            dev = next((m.device for m in masks if m.device.type != "cpu"), masks[0].device)
+            pk.add("activity_bits", torch.cat([m.to(dev) for m in masks]).to(torch.uint8))
+        sat = [s.saturated for s in self.sites.values() if s.saturated is not None]
+        if sat:
+            pk.add("activity_sat", sat)
+
+    def finish_window(self, step: int, host: dict) -> dict:
+        """The activity row of the window ending at this step; starts the next window."""
+        sites = list(self.sites.values())
+        bits = np.zeros(self._bits, dtype=bool)
+        if "activity_bits" in host:
+            bits[: host["activity_bits"].size] = host["activity_bits"] > 0
+        sat = iter(host.get("activity_sat", ()))
+        frac = np.full(len(sites), np.nan, dtype=np.float32)
+        for s in sites:
+            if s.saturated is not None:
+                frac[s.index] = float(next(sat)) / max(s.numel, 1)
+        row = {
+            "step_start": self._window_start, "step_end": step,
+            "steps_seen": np.array([s.steps_seen for s in sites], dtype=np.int32),
+            "ever_positive": np.packbits(bits, bitorder="little"),
+            "saturated_frac": frac,
+        }
+        for s in sites:
+            s.mask, s.saturated, s.numel, s.steps_seen = None, None, 0, 0
+        self._window_start = step + 1
+        return row
+
+    def take_new_sites(self) -> list[dict]:
+        new, self._new_sites = self._new_sites, []
+        return new
+
+
+def _arg(args, kwargs, pos: int, name: str, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default

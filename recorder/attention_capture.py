@@ -1,0 +1,148 @@
+"""Attention statistics per layer and head, on sampled steps, without user help.
+
+``nn.MultiheadAttention``: a forward pre-hook sees the call's own arguments (also when
+``nn.TransformerEncoderLayer`` calls it with ``need_weights=False``) and recomputes the
+per-head probabilities beside it from the module's weights. Calls of
+``F.scaled_dot_product_attention`` anywhere inside the model are seen by a wrapper (see
+functional.py) and named after the innermost module whose forward made them. Either way the
+probabilities are computed from the same inputs, under ``no_grad``, on a slice of the batch
+(attention.py); the model's own call runs exactly as it would without us.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import head_similarity, head_stats, mha_probs, sdpa_probs
+from .stats import Packer
+
+
+class _Site:
+    def __init__(self, index: int, heads: int, head_offset: int):
+        self.index = index
+        self.heads = heads
+        self.head_offset = head_offset
+        self.stats: list[torch.Tensor] = []  # (H, 3) per call this step
+        self.similarity: list[torch.Tensor] = []
+        self.keys = 0
+
+
+class AttentionTracker:
+    def __init__(self, watcher, on_error):
+        self.watcher = watcher
+        self.on_error = on_error
+        self.sampled = False
+        self.step = 0
+        self.sites: dict[tuple[int, str, int], _Site] = {}
+        self._heads = 0
+        self._new_sites: list[dict] = []
+        self._handles = [
+            m.register_forward_pre_hook(self._make_mha_hook(), with_kwargs=True)
+            for m in watcher.modules if isinstance(m, nn.MultiheadAttention)
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _make_mha_hook(self):
+        def pre_hook(module, args, kwargs):
+            if not self.sampled:
+                return None
+            try:
+                frame = self.watcher.current()
+                if frame is None:
+                    return None
+                frame[2] += 1
+                q = _get(args, kwargs, 0, "query")
+                k = _get(args, kwargs, 1, "key")
+                out = mha_probs(
+                    module, q, k,
+                    key_padding_mask=_get(args, kwargs, 3, "key_padding_mask"),
+                    attn_mask=_get(args, kwargs, 5, "attn_mask"),
+                    is_causal=bool(_get(args, kwargs, 7, "is_causal", False)),
+                    need_weights=bool(_get(args, kwargs, 4, "need_weights", True)),
+                    return_allowed=True,
+                )
+                if out is not None:
+                    self._observe((frame[0], "MultiheadAttention", frame[2] - 1), *out)
+            except Exception as e:
+                self.on_error(e)
+            return None
+
+        return pre_hook
+
+    def on_attention(self, fn: str, args, kwargs, out) -> None:
+        """A call of F.scaled_dot_product_attention (from the wrapper in functional.py)."""
+        if not self.sampled:
+            return
+        frame = self.watcher.current()
+        # MultiheadAttention calls it too, with need_weights=False: its pre-hook has it already.
+        if frame is None or isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
+            return
+        frame[2] += 1
+        q, k = _get(args, kwargs, 0, "query"), _get(args, kwargs, 1, "key")
+        res = sdpa_probs(
+            q, k, attn_mask=_get(args, kwargs, 3, "attn_mask"),
+            is_causal=bool(_get(args, kwargs, 5, "is_causal", False)),
+            scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)),
+            return_allowed=True,
+        )
+        if res is not None:
+            self._observe((frame[0], "scaled_dot_product_attention", frame[2] - 1), *res)
+
+    def _observe(self, key, probs: torch.Tensor, allowed) -> None:
+        site = self.sites.get(key)
+        heads = int(probs.shape[1])
+        if site is None:
+            site = _Site(len(self.sites), heads, self._heads)
+            self._heads += heads
+            self.sites[key] = site
+            self._new_sites.append({"module": key[0], "source": key[1], "call": key[2], "heads": heads,
+                                    "head_offset": site.head_offset, "first_step": self.step})
+        if heads != site.heads:
+            return
+        site.stats.append(head_stats(probs, allowed))
+        site.similarity.append(head_similarity(probs).reshape(1))
+        site.keys = int(probs.shape[-1])
+
+    # -- at rec.step() -----------------------------------------------------------------------
+    def pack(self, pk: Packer) -> None:
+        seen = [s for s in self.sites.values() if s.stats]
+        if seen:
+            # Several calls of one site in a step (shared layers) are averaged.
+            pk.add("attn_stats", torch.cat([torch.stack(s.stats).mean(0).reshape(-1) for s in seen]))
+            pk.add("attn_sim", torch.cat([torch.cat(s.similarity).mean().reshape(1) for s in seen]))
+
+    def finish_step(self, step: int, host: dict) -> dict | None:
+        seen = [s for s in self.sites.values() if s.stats]
+        if not seen:
+            return None
+        n_sites = len(self.sites)
+        entropy = torch.full((self._heads,), float("nan")).numpy()
+        max_w, sink = entropy.copy(), entropy.copy()
+        sim = torch.full((n_sites,), float("nan")).numpy()
+        keys = torch.zeros(n_sites, dtype=torch.int32).numpy()
+        stats, i = host["attn_stats"], 0
+        for j, s in enumerate(seen):
+            block = stats[i:i + 3 * s.heads].reshape(s.heads, 3)
+            i += 3 * s.heads
+            sl = slice(s.head_offset, s.head_offset + s.heads)
+            entropy[sl], max_w[sl], sink[sl] = block[:, 0], block[:, 1], block[:, 2]
+            sim[s.index] = host["attn_sim"][j]
+            keys[s.index] = s.keys
+            s.stats, s.similarity = [], []
+        return {"step": step, "entropy": entropy, "max_weight": max_w, "sink_share": sink,
+                "head_similarity": sim, "keys": keys}
+
+    def take_new_sites(self) -> list[dict]:
+        new, self._new_sites = self._new_sites, []
+        return new
+
+
+def _get(args, kwargs, pos: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default

@@ -1,0 +1,95 @@
+"""Observe calls of activation and attention functions made inside a model's forward.
+
+Dead units and attention must be seen whether they come from a module (``nn.ReLU``,
+``nn.MultiheadAttention``) or from a function called inside some module's ``forward``
+(``F.relu``, ``F.scaled_dot_product_attention``). The only way to see the latter without user
+help is to wrap those functions in their modules (``torch.nn.functional``, ``torch``) while a
+recorder is active. Each wrapper calls the original function with exactly the arguments it was
+given and returns its result untouched; only then does it show the result to the observers.
+A call made by another wrapped function (``F.relu`` calls ``torch.relu``) is observed once, at
+the outermost wrapper.
+
+Not covered: tensor methods (``x.relu()``, ``x.tanh()``), and function objects captured before
+the recorder started (``nn.TransformerEncoderLayer`` keeps the ``F.gelu`` it was built with;
+its ``F.relu`` is still seen, through ``torch.relu``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+# (namespace, attribute) -> how the call's activation is named in the trace
+_ACTIVATIONS = (
+    (F, "relu"), (F, "relu6"), (F, "leaky_relu"), (F, "gelu"), (F, "hardtanh"),
+    (F, "tanh"), (F, "sigmoid"), (torch, "relu"), (torch, "tanh"), (torch, "sigmoid"),
+)
+_ATTENTION = ((F, "scaled_dot_product_attention"),)
+
+_state = threading.local()
+_lock = threading.Lock()
+# Objects with on_activation(name, args, kwargs, out), on_attention(...) and on_observer_error(e).
+_observers: list = []
+_originals: dict[tuple[int, str], object] = {}
+
+
+def _wrap(namespace, attr: str, kind: str):
+    original = getattr(namespace, attr)
+
+    def wrapper(*args, **kwargs):
+        depth = getattr(_state, "depth", 0)
+        _state.depth = depth + 1
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            _state.depth = depth
+        if depth == 0 and _observers:
+            for obs in tuple(_observers):
+                try:
+                    if kind == "activation":
+                        obs.on_activation(attr, args, kwargs, out)
+                    else:
+                        obs.on_attention(attr, args, kwargs, out)
+                except Exception as e:  # an observer's fault never reaches the model
+                    obs.on_observer_error(e)
+        return out
+
+    wrapper.__name__ = getattr(original, "__name__", attr)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__wrapped__ = original
+    wrapper._torchautopsy_wrapper = True
+    return original, wrapper
+
+
+def attach(observer) -> None:
+    """Start showing calls to ``observer``; the first observer installs the wrappers."""
+    with _lock:
+        if not _observers:
+            for ns, attr in _ACTIVATIONS:
+                _install(ns, attr, "activation")
+            for ns, attr in _ATTENTION:
+                _install(ns, attr, "attention")
+        _observers.append(observer)
+
+
+def detach(observer) -> None:
+    """Stop showing calls to ``observer``; the last one out restores the original functions."""
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
+        if not _observers:
+            for (ns_id, attr), original in list(_originals.items()):
+                ns = F if ns_id == id(F) else torch
+                if getattr(getattr(ns, attr, None), "_torchautopsy_wrapper", False):
+                    setattr(ns, attr, original)
+            _originals.clear()
+
+
+def _install(ns, attr: str, kind: str) -> None:
+    if not hasattr(ns, attr) or getattr(getattr(ns, attr), "_torchautopsy_wrapper", False):
+        return
+    original, wrapper = _wrap(ns, attr, kind)
+    _originals[(id(ns), attr)] = original
+    setattr(ns, attr, wrapper)
