@@ -1,7 +1,7 @@
 """The ``torchautopsy`` command: analyze and describe run directories.
 
-Unusable input (missing, empty, foreign, truncated or newer traces) gives one line on stderr and
-exit code 2; ``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0.
+Unusable input (missing, empty, foreign, truncated or newer traces, a bad ``--config`` file) gives
+one line on stderr and exit code 2; ``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import sys
 
 import click
 
-from .errors import TraceError
+from .config import AnalysisConfig
+from .config_file import load_config
+from .detectors import DETECTORS
+from .errors import ConfigError, TraceError
 from .findings import SEVERITIES, Finding, first_to_go_wrong
 from .run import analyze as run_detectors
 from .trace import Trace, load
@@ -28,6 +31,15 @@ def _load(run_dir: str) -> Trace:
     try:
         return load(run_dir)
     except TraceError as e:
+        raise InputError(str(e)) from None
+
+
+def _load_config(path: str | None) -> AnalysisConfig | None:
+    if path is None:
+        return None
+    try:
+        return load_config(path)
+    except ConfigError as e:
         raise InputError(str(e)) from None
 
 
@@ -89,11 +101,15 @@ def main(argv=None) -> None:
 @click.option("--md", "md_path", type=click.Path(dir_okay=False), help="Write a short Markdown report for a ticket.")
 @click.option("--fail-on", type=click.Choice(["error", "warning", "info", "none"]), default="none",
               show_default=True, help="Exit with 1 when a finding of this severity or worse is found.")
-def analyze(run_dir, json_path, html_path, md_path, fail_on):
+@click.option("--config", "config_path", type=click.Path(), metavar="FILE.toml",
+              help="Detector thresholds to override: a TOML file with one table per detector kind, "
+                   "e.g. [update_ratio] too_large = 0.2 (see analyzer/config.py for the settings).")
+def analyze(run_dir, json_path, html_path, md_path, fail_on, config_path):
     """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
+    cfg = _load_config(config_path)
     trace = _load(run_dir)
     try:
-        findings = run_detectors(trace)
+        findings = run_detectors(trace, cfg)
     except TraceError as e:
         raise InputError(str(e)) from None
 
@@ -102,8 +118,9 @@ def analyze(run_dir, json_path, html_path, md_path, fail_on):
         if not rt.closed_cleanly:
             click.echo(f"  note: rank {rt.rank} did not close its trace (job killed?); "
                        f"analyzed the {rt.n_steps:,} steps it flushed")
-    if not findings:
-        click.echo("No problem found (checked: nonfinite, exploding_gradients, vanishing_gradients).")
+    if not any(f.severity in ("error", "warning") for f in findings):
+        checked = ", ".join(d.KIND for d in DETECTORS)
+        click.echo(f"No problem found (checked: {checked}).")
     for f in findings:
         click.echo(_finding_line(f))
     first = first_to_go_wrong(findings)

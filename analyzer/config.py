@@ -43,7 +43,154 @@ class NonfiniteConfig:
 
 
 @dataclass(frozen=True)
+class LossDivergenceConfig:
+    # Trailing median over this many steps smooths batch-to-batch noise before comparing losses;
+    # the first full window is the warm-up (no verdict before it). 20: with 10, the lowest of the
+    # medians of a very noisy loss (batch of 1, chi-square noise) sits 3x below its typical
+    # level (simulated); with 20 and the noise test below no simulated noisy run is flagged.
+    window: int = 20
+    # Diverged: the smoothed loss rises above this many times its best (lowest smoothed) value so
+    # far. healthy_mlp's never exceeds 1.2x its running minimum (measured); a language model that
+    # diverges climbs from ~2.5-3.5 towards ln(vocab) ~ 10.8, i.e. 3-4x.
+    rise_ratio: float = 2.0
+    # ... and that rise undoes at least this share of the progress made since the first window
+    # ((now - best) / (start - best)), so a loss near zero doubling from 1e-3 to 2e-3 stays quiet.
+    # 0.25: healthy_mlp's worst bump undoes 2% (measured).
+    min_progress_lost: float = 0.25
+    # ... and exceeds this many times the per-step noise of the loss (1.4826 x the median
+    # absolute deviation from the trailing median). 2.5: no false warning on 20 simulated flat or
+    # decaying runs each of chi-square(1), exponential and log-normal(sigma 2) noise, 100 to
+    # 20,000 steps; a 3x rise under 30% noise is always caught (simulated).
+    min_rise_in_noise: float = 2.5
+    # Still up at the end of the run: an error (rather than a warning) when the smoothed loss ends
+    # this many times above its best and above where it started: worse than the untrained model.
+    error_ratio: float = 100.0
+
+    def __post_init__(self):
+        _check(self, window=(2, None), rise_ratio=(1.0, None), min_progress_lost=(0.0, None),
+               min_rise_in_noise=(0.0, None), error_ratio=(1.0, None))
+
+
+@dataclass(frozen=True)
+class LossPlateauConfig:
+    # The judged stretch: the last `tail_frac` of the run, and no verdict when it has fewer than
+    # `min_tail_steps` steps (a plateau is a long stretch).
+    tail_frac: float = 0.5
+    min_tail_steps: int = 50
+    # Plateau: the median loss of the stretch's last fifth (`edge_frac`) differs from that of its
+    # first fifth by less than this share. healthy_mlp (Adam 1e-3, constant) still improves by
+    # 15% over its last half (measured); vanishing_sigmoid, stuck at ln 4, changes by < 1%.
+    min_improvement: float = 0.05
+    edge_frac: float = 0.2
+
+    def __post_init__(self):
+        _check(self, tail_frac=(0.0, 1.0), min_tail_steps=(2, None), min_improvement=(0.0, None),
+               edge_frac=(0.0, 0.5))
+
+
+@dataclass(frozen=True)
+class UpdateRatioConfig:
+    # Update-to-weight ratio ||dw|| / ||w|| of one optimizer step. "Somewhere around 1e-3" is
+    # healthy (Karpathy, CS231n "Neural Networks Part 3": ratio of weights:updates); healthy_mlp's
+    # weight matrices sit at 1e-3 - 3e-3 over its last half, 1e-2 at step 0 (measured).
+    # Too large: two orders of magnitude above 1e-3; the learning rate is too high.
+    too_large: float = 1e-1
+    # Too small: three orders below 1e-3, for weights that receive gradients; they barely move.
+    # float32 cannot even represent an update below ~6e-8 of a weight (machine epsilon 1.2e-7).
+    too_small: float = 1e-6
+    # Judged on the median over the last `window_frac` of the sampled updates that are finite
+    # (at least `min_samples`): early steps (the first ~50 in healthy_mlp) are larger.
+    window_frac: float = 0.5
+    min_samples: int = 3
+    # The onset is where the trailing median over this many samples first crossed the threshold.
+    onset_samples: int = 3
+    # Only weights of this many dimensions or more (matrices, kernels, embeddings): biases
+    # start at 0 and their ratio is huge or meaningless; norm gains barely move by design.
+    min_ndim: int = 2
+    # Weights whose RMS (||w|| / sqrt(numel)) is below this at the first recorded step are skipped
+    # (zero-initialised, e.g. LoRA B or zero-init residual projections: their ratio is relative
+    # to ~0), and so are samples where it is below. Default inits put RMS near 1/sqrt(3 fan_in),
+    # above 2e-3 up to fan_in 65536.
+    min_weight_rms: float = 1e-4
+
+    def __post_init__(self):
+        _check(self, too_large=(0.0, None), too_small=(0.0, None), window_frac=(0.0, 1.0),
+               min_samples=(1, None), onset_samples=(1, None), min_ndim=(0, None),
+               min_weight_rms=(0.0, None))
+        if not self.too_small < self.too_large:
+            raise ValueError(f"too_small ({self.too_small!r}) must be below too_large ({self.too_large!r})")
+
+
+def _check(cfg, **bounds) -> None:
+    """ValueError naming the field when a threshold lies outside [lo, hi] (None: unbounded)."""
+    for name, (lo, hi) in bounds.items():
+        v = getattr(cfg, name)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            want = (f">= {lo}" if hi is None else f"between {lo} and {hi}")
+            raise ValueError(f"{name} must be {want}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class DeadReluConfig:
+    # Share of a layer's units that never output a positive value during the latest window
+    # (activity_window steps, 50 by default). Healthy ReLU nets keep some dead units: 5-20% in
+    # our healthy sample traces (measured) and in Lu et al. 2019 ("Dying ReLU and
+    # initialization"); half or more of a layer is a layer that has mostly stopped learning.
+    warning_share: float = 0.5
+    error_share: float = 0.9
+    # Layers narrower than this are not judged: 3 dead units of 4 is noise, not a trend.
+    min_units: int = 8
+    # A unit counts as dead only if its site ran in at least this share of the window's steps.
+    min_seen_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class AttentionCollapseConfig:
+    # Entropy collapse (Zhai et al. 2023, "Stabilizing Transformer Training by Preventing
+    # Attention Entropy Collapse"): a layer's mean normalised row entropy below this. Single
+    # low-entropy heads are often healthy specialists (previous-token heads), so the layer's
+    # mean is judged, and only after it was higher earlier in the run.
+    entropy: float = 0.1
+    # All mass on one key position: every head of the layer puts more than this share of its
+    # attention on its single most-attended key (healthy heads with a sink stay below; the
+    # StreamingLLM sink heads put ~50-80% there).
+    sink_share: float = 0.95
+    # Heads alike: mean pairwise cosine similarity of the heads' maps above this while the
+    # layer is also sharp (mean entropy below `alike_entropy`); at initialisation every head is
+    # near-uniform and therefore alike, which is not a collapse.
+    similarity: float = 0.99
+    alike_entropy: float = 0.5
+    # The condition must hold on the last this-many sampled steps.
+    min_samples: int = 2
+
+
+@dataclass(frozen=True)
+class MemoryLeakConfig:
+    # Warm-up excluded from the fit: allocator pools, lazy initialisation and the first
+    # optimizer state make memory climb early in every run.
+    warmup_frac: float = 0.2
+    min_steps: int = 30
+    # Growth over the analysed span that counts: at least this many bytes and this share of the
+    # memory at its start. (glibc and the CUDA caching allocator move RSS/reserved by a few MB
+    # on healthy runs; measured on the sample traces.)
+    min_growth_bytes: float = 16 * 2**20
+    min_growth_share: float = 0.05
+    # Steady: a straight line explains the growth (R^2) and the last third still grows at this
+    # share of the overall slope (a plateau does not).
+    min_r2: float = 0.8
+    min_tail_slope_share: float = 0.5
+    # One-off jump: a single step holds this share of the whole growth.
+    jump_share: float = 0.5
+
+
+@dataclass(frozen=True)
 class AnalysisConfig:
     exploding_gradients: ExplodingGradientsConfig = field(default_factory=ExplodingGradientsConfig)
     vanishing_gradients: VanishingGradientsConfig = field(default_factory=VanishingGradientsConfig)
     nonfinite: NonfiniteConfig = field(default_factory=NonfiniteConfig)
+    loss_divergence: LossDivergenceConfig = field(default_factory=LossDivergenceConfig)
+    loss_plateau: LossPlateauConfig = field(default_factory=LossPlateauConfig)
+    update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
+    dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)
+    attention_collapse: AttentionCollapseConfig = field(default_factory=AttentionCollapseConfig)
+    memory_leak: MemoryLeakConfig = field(default_factory=MemoryLeakConfig)

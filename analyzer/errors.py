@@ -15,3 +15,8 @@ class TraceFormatError(TraceError):
 
 class SchemaVersionError(TraceError):
     pass
+
+
+class ConfigError(Exception):
+    """A thresholds file (``--config FILE.toml``) that cannot be used; the message names the file,
+    the table and the key, and lists the valid ones. Not a TraceError: the trace may be fine."""

@@ -142,6 +142,10 @@ class RankTrace:
         cols = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite")
         data = {c: self._read(f"steps/{c}", self.n_steps) for c in cols}
+        census = self._table("steps", ("live_tensors", "live_tensor_bytes", "live_tensors_with_graph")) \
+            if self._has("steps/live_tensors") else {}
+        for c in ("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"):
+            data[c] = census[c][: self.n_steps] if c in census else np.full(self.n_steps, -1, dtype=np.int64)
         return pd.DataFrame(data, index=pd.Index(self.step_index, name="step"))
 
     def param_stat(self, stat: str) -> pd.DataFrame:
@@ -175,6 +179,79 @@ class RankTrace:
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
         return self._read(f"{table}/step", n)
+
+    def _has(self, name: str) -> bool:
+        with _open(self.path) as f:
+            return name in f
+
+    def _table(self, table: str, cols: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """All columns of a table, cut to the rows every column holds (a kill can leave one
+        column a row longer); an absent table (older trace) reads as empty."""
+        try:
+            with _open(self.path) as f:
+                if table not in f:
+                    return {c: np.zeros(0) for c in cols}
+                n = min(f[f"{table}/{c}"].shape[0] for c in cols)
+        except (KeyError, OSError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
+        return {c: self._read(f"{table}/{c}", n) for c in cols}
+
+    @cached_property
+    def activity_sites(self) -> pd.DataFrame:
+        """Activation-function call sites: module (name), function, call, param, unit_dim,
+        units, bit_offset, first_step. One row per site, in the order they were first seen."""
+        cols = ("module", "function", "call", "param", "unit_dim", "units", "bit_offset", "first_step")
+        t = self._table("activity_sites", cols)
+        df = pd.DataFrame({c: t[c] for c in cols})
+        df["function"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["function"]]
+        df["module_index"] = df["module"].astype(int)
+        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
+                        for i in df["module_index"]]
+        return df
+
+    def activity_windows(self):
+        """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
+        saturated_frac per site), one window at a time, oldest first."""
+        cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
+        t = self._table("activity", cols)
+        n_bits = int((self.activity_sites["bit_offset"] + self.activity_sites["units"]).max()) \
+            if len(self.activity_sites) else 0
+        for i in range(len(t["step_start"])):
+            bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
+            bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
+            yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
+                   bits[:n_bits].astype(bool), t["saturated_frac"][i])
+
+    @cached_property
+    def attention_sites(self) -> pd.DataFrame:
+        """Attention call sites: module (name), source, call, heads, head_offset, first_step."""
+        cols = ("module", "source", "call", "heads", "head_offset", "first_step")
+        t = self._table("attention_sites", cols)
+        df = pd.DataFrame({c: t[c] for c in cols})
+        df["source"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["source"]]
+        df["module_index"] = df["module"].astype(int)
+        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
+                        for i in df["module_index"]]
+        return df
+
+    def attention_stat(self, stat: str) -> pd.DataFrame:
+        """Sampled steps x heads ("module/h0", ...) for entropy, max_weight, sink_share; steps x
+        sites (module names) for head_similarity and keys."""
+        per_head = ("entropy", "max_weight", "sink_share")
+        if stat not in per_head + ("head_similarity", "keys"):
+            raise ValueError(f"unknown attention statistic {stat!r}")
+        t = self._table("attention", ("step", stat))
+        sites = self.attention_sites
+        if stat in per_head:
+            cols = [f"{m}/h{h}" for m, n in zip(sites["module"], sites["heads"]) for h in range(int(n))]
+        else:
+            cols = [f"{m}#{c}" if c else m for m, c in zip(sites["module"], sites["call"])]
+        data = np.asarray(t[stat], dtype=np.float64)
+        data = data.reshape(len(t["step"]), -1) if data.size else np.zeros((len(t["step"]), 0))
+        width = len(cols)
+        if data.shape[1] < width:  # rows written before later sites were seen
+            data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
+        return self._frame(data[:, :width], t["step"], cols)
 
     @cached_property
     def total_grad_norm(self) -> pd.Series:

@@ -28,7 +28,8 @@ class ModuleWatcher:
         # Which module's forward is running, innermost last, with per-forward call counters:
         # a function called inside a forward (F.relu, F.scaled_dot_product_attention) is
         # attributed to the innermost module, and told apart by its call number.
-        self.stack: list[list[int]] = []  # [module index, activation calls, attention calls]
+        # [module index, activation calls, attention calls, input check indices or None]
+        self.stack: list[list] = []
         self._handles = []
         for i, m in enumerate(self.modules):
             self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
@@ -39,9 +40,12 @@ class ModuleWatcher:
         self.max_calls = 64 * len(self.names) + 1024
         self._reset()
 
-    def current(self) -> list[int] | None:
-        """The frame of the innermost module whose forward is running, or None."""
-        return self.stack[-1] if self.stack else None
+    def current(self) -> list | None:
+        """The frame of the innermost module whose forward is running, or None (also while
+        gradients are disabled: forward passes under no_grad are evaluation, not recorded)."""
+        if not self.stack or not torch.is_grad_enabled():
+            return None
+        return self.stack[-1]
 
     def producer(self, x) -> int:
         """Index of the module whose forward returned tensor x this step, or -1."""
@@ -53,7 +57,7 @@ class ModuleWatcher:
         self._producers: dict[int, tuple[weakref.ref, int]] = {}
         self._mins: list[torch.Tensor] = []  # one (min, max) pair per checked tensor this step
         self._maxs: list[torch.Tensor] = []
-        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (ref, pair index)
+        self._seen: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, pair, version)
         self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input pairs, output pairs)
         self._acts: dict[int, torch.Tensor] = {}  # module -> summed activation_stats
 
@@ -64,35 +68,54 @@ class ModuleWatcher:
         self._reset()
 
     def _check(self, x: torch.Tensor) -> int:
-        """Index of the (min, max) pair of x, computing it unless x was already checked."""
+        """Index of the (min, max) pair of x, computing it unless x was already checked.
+
+        The cache key includes the tensor's version counter: a NaN written in place
+        (``x.mul_(nan)``, ``out += identity``) after the check makes it stale.
+        """
         key = id(x)
+        version = x._version
         hit = self._seen.get(key)
-        if hit is not None and hit[0]() is x:
+        if hit is not None and hit[0]() is x and hit[2] == version:
             return hit[1]
         mn, mx = torch.aminmax(x.detach())
         self._mins.append(mn)
         self._maxs.append(mx)
         idx = len(self._mins) - 1
-        self._seen[key] = (weakref.ref(x), idx)
+        self._seen[key] = (weakref.ref(x), idx, version)
         return idx
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
-            self.stack.append([index, 0, 0])
+            # Inputs are checked before the forward runs: a module that writes NaN into its
+            # input in place (x.mul_(nan)) must be seen receiving finite inputs.
+            ins = None
+            if torch.is_grad_enabled() and len(self._calls) < self.max_calls:
+                try:
+                    with torch.no_grad():
+                        ins = [self._check(x) for x in floating_tensors(args)]
+                except Exception as e:  # never raise into the model's forward
+                    self._on_error(e)
+            self.stack.append([index, 0, 0, ins])
 
         return pre_hook
 
     def _make_hook(self, index: int):
         def hook(module, args, output):
             # Pop this module's frame (and any left by a forward that raised inside it).
-            while self.stack and self.stack.pop()[0] != index:
-                pass
+            frame = None
+            while self.stack:
+                frame = self.stack.pop()
+                if frame[0] == index:
+                    break
+            ins = frame[3] if frame is not None and frame[0] == index else None
+            if ins is None:  # evaluation under no_grad (not recorded), or too many calls
+                return
             try:
                 with torch.no_grad():
                     outs = floating_tensors(output)
-                    if not outs or len(self._calls) >= self.max_calls:
+                    if not outs:
                         return
-                    ins = [self._check(x) for x in floating_tensors(args)]
                     self._calls.append((index, ins, [self._check(x) for x in outs]))
                     if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
                         self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
@@ -115,20 +138,22 @@ class ModuleWatcher:
         """Turn this step's host values into per-module rows; then forget the step."""
         mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
         absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
-        # An input carries a fault if it holds NaN or +Inf; -Inf alone is a mask, not a fault.
-        in_bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
+        # A tensor carries a fault if it holds NaN or +Inf. -Inf alone is how attention masks
+        # and log-probabilities of impossible events are written: not a fault, in or out.
+        bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
         out_absmax = np.full(n_modules, -1.0)  # -1: not called this step
         origin, first_bad, batch_bad = -1, -1, False
         for module, ins, outs in self._calls:
             a = absmax[outs].max() if not np.isnan(absmax[outs]).any() else np.nan
             prev = out_absmax[module]
             out_absmax[module] = a if prev < 0 else (np.nan if np.isnan(prev) or np.isnan(a) else max(a, prev))
-            if module == 0 and ins and in_bad[ins].any():
+            in_bad = bool(ins) and bad[ins].any()
+            if module == 0 and in_bad:
                 batch_bad = True
-            if not np.isfinite(a):
+            if bad[outs].any():
                 if first_bad < 0:
                     first_bad = module
-                if origin < 0 and not (ins and in_bad[ins].any()):
+                if origin < 0 and not in_bad:
                     origin = module
         row = {
             "output_absmax": out_absmax.astype(np.float32),

@@ -88,7 +88,7 @@ class Recorder:
         self._active = False
         self._closed = False
         self._failed_once = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: SIGTERM may land while the main thread holds it
         self.watcher = None
         self.writer = None
         self.activity = None
@@ -345,10 +345,11 @@ class Recorder:
                 return
             self._failed_once = True
             self._active = False
-        warnings.warn(
-            f"torchautopsy: recorder error ({type(e).__name__}: {e}); recording stopped, training "
-            f"goes on; steps recorded before this are in {self.path}", RuntimeWarning, stacklevel=2,
-        )
+        if self.writer is None or e is not self.writer.error:  # the writer warned already
+            warnings.warn(
+                f"torchautopsy: recorder error ({type(e).__name__}: {e}); recording stopped, training "
+                f"goes on; steps recorded before this are in {self.path}", RuntimeWarning, stacklevel=2,
+            )
         try:
             self._unhook()
             if self.writer is not None:

@@ -60,18 +60,19 @@ def activation_stats(x: torch.Tensor) -> torch.Tensor:
     """[numel, sum, sum of squares, zeros, non-finite] of one activation, on its device.
 
     Sufficient statistics rather than mean/std, so that several calls of one module in a step
-    (RNN cells, shared blocks) combine exactly by addition. Accumulated in float32 (float64
-    costs ~8x on CPU, measured); a sum of squares past float32's range (|x| ~ 1e17) reads Inf.
+    (RNN cells, shared blocks) combine exactly by addition. Sums accumulate in float64: in
+    float32, sqrt(E[x^2] - mean^2) cancels catastrophically when |mean| >> std (measured:
+    mean 1000, std 1 read 0.79). It costs ~0.07 ms per 131k elements on CPU, on sampled steps.
     """
     x = x.detach()
-    f32 = torch.float32
+    f64 = torch.float64
     n = x.numel()
     return torch.stack([
-        torch.tensor(float(n), dtype=f32, device=x.device),
-        x.sum(dtype=f32),
-        torch.linalg.vector_norm(x, 2, dtype=f32).square(),
-        n - torch.count_nonzero(x).to(f32),
+        torch.tensor(float(n), dtype=f64, device=x.device),
+        x.sum(dtype=f64),
+        torch.linalg.vector_norm(x, 2, dtype=f64).square(),
+        n - torch.count_nonzero(x).to(f64),
         # x - x is 0 where x is finite and NaN where it is NaN or +-Inf: counting its non-zeros
         # counts the non-finite elements, 3x faster than (~isfinite(x)).sum() (measured).
-        torch.count_nonzero(x - x).to(f32),
+        torch.count_nonzero(x - x).to(f64),
     ])

@@ -11,7 +11,9 @@ See docs/trace_format.md for the layout this writes.
 
 from __future__ import annotations
 
+import os
 import queue
+import resource
 import threading
 import time
 import warnings
@@ -124,6 +126,12 @@ def _chunk_rows(width: int, itemsize: int) -> int:
 
 _STOP = object()
 _FLUSH = object()
+_ABANDONED: list = []  # files whose writes failed: never closed (see TraceWriter._run)
+_MARGIN = 2 * 2**20  # bytes kept free beyond the worst case of one write
+
+
+class NoRoomError(OSError):
+    """The disk (or the process's file-size limit) has no room for the next write."""
 
 
 class TraceWriter:
@@ -208,6 +216,7 @@ class TraceWriter:
     # -- writer thread ------------------------------------------------------------------------
     def _run(self) -> None:
         last_flush = time.monotonic()
+        table = row = None
         try:
             while True:
                 wait = max(0.05, self.flush_every_s - (time.monotonic() - last_flush))
@@ -240,29 +249,56 @@ class TraceWriter:
                     last_flush = time.monotonic()
         except BaseException as e:  # disk full, file removed, ...: stop writing, keep training
             self.error = e
-            warnings.warn(f"torchautopsy: writing {self.path} failed ({e!r}); recording stopped, "
+            warnings.warn(f"torchautopsy: writing {self.path} failed ({e}); recording stopped, "
                           "the steps flushed before this are still readable", RuntimeWarning)
-            try:
-                self._f.close()
-            except Exception:
-                pass
+            if isinstance(e, NoRoomError):  # nothing failed: the file closes cleanly
+                try:
+                    set_attrs(self._f, {"closed": True, "end_reason": f"recorder error: {e}"})
+                    self._f.close()
+                except Exception:
+                    _ABANDONED.append((self._f, self._ds))
+            else:
+                # Never touch the file again: closing an HDF5 file after a failed write can
+                # crash the process (HDF5 2.0, seen on a full disk). The file object is kept
+                # alive, and with it what was flushed, which SWMR keeps readable on disk.
+                _ABANDONED.append((self._f, self._ds))
+            if table is _FLUSH:
+                row.set()
+            if table is _STOP:
+                return
             # Keep draining so that put() never blocks and flush()/close() never hang.
             while True:
-                item = self._q.get()
-                if item[0] is _FLUSH:
-                    item[1].set()
-                if item[0] is _STOP:
+                table, row = self._q.get()
+                if table is _FLUSH:
+                    row.set()
+                if table is _STOP:
                     return
 
     def _write_all(self) -> None:
         for table in self._buf:
             self._write_table(table)
 
+    def _check_room(self, rows: int, table: str) -> None:
+        """Refuse a write the disk may not hold: HDF5 cannot recover from a failed write (the
+        process can crash when the file is closed), so a full disk must never be reached.
+        The worst case of appending `rows` rows: their bytes plus a new chunk per dataset."""
+        need = _MARGIN
+        for c in self.tables[table]:
+            ds = self._ds[table][c.name]
+            chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
+            row = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize if ds.ndim > 1 else 16
+            need += rows * row + chunk
+        free = _free_bytes(self.path)
+        if free < need:
+            raise NoRoomError(f"disk nearly full: {free / 2**20:.1f} MiB left for {self.path}, "
+                              f"the next write needs up to {need / 2**20:.1f} MiB")
+
     def _write_table(self, table: str) -> None:
         rows = self._buf[table]
         if not rows:
             return
         n0, n = self._rows[table], len(rows)
+        self._check_room(n, table)
         for c in self.tables[table]:
             ds = self._ds[table][c.name]
             values = [r[c.name] for r in rows]
@@ -281,6 +317,19 @@ class TraceWriter:
             ds[n0:n0 + n] = data
         self._rows[table] = n0 + n
         self._buf[table] = []
+
+
+def _free_bytes(path: str) -> float:
+    """Bytes the file can still grow by: free disk space, and the RLIMIT_FSIZE limit if set."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        free = float(st.f_bavail * st.f_frsize)
+    except (OSError, AttributeError):
+        free = float("inf")
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        free = min(free, soft - os.path.getsize(path))
+    return free
 
 
 def set_attrs(obj, attrs: dict) -> None:

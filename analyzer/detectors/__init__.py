@@ -1,6 +1,8 @@
 """The detector registry: an explicit tuple. Each detector module has KIND, REQUIRES and
 ``detect(rank_trace, cfg) -> list[Finding]``, a pure function over a read-only trace."""
 
-from . import exploding_gradients, nonfinite, vanishing_gradients
+from . import (attention_collapse, dead_relu, exploding_gradients, loss_divergence, loss_plateau,
+               memory_leak, nonfinite, update_ratio, vanishing_gradients)
 
-DETECTORS = (nonfinite, exploding_gradients, vanishing_gradients)
+DETECTORS = (nonfinite, exploding_gradients, vanishing_gradients, dead_relu, attention_collapse,
+             memory_leak, loss_divergence, loss_plateau, update_ratio)

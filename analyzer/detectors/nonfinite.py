@@ -41,13 +41,14 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     steps = rt.steps
     idx = rt.step_index
     loss = steps["loss"].to_numpy()
-    # NaN also stands for "no loss passed to rec.step()": it counts only if losses were given.
-    loss_bad = np.isinf(loss) | (np.isnan(loss) & np.isfinite(loss).any())
     origin = steps["nonfinite_origin"].to_numpy()
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0
     g_bad = rt.param_stat("grad_nonfinite").to_numpy()
     # Counts, not norms: an Inf norm can be an overflow of finite gradients.
     grad_bad = g_bad > 0
+    # NaN also stands for "no loss passed to rec.step() on this step": a NaN loss counts only
+    # when the backward pass that followed it was non-finite too.
+    loss_bad = np.isinf(loss) | (np.isnan(loss) & grad_bad.any(axis=1))
     w_bad = ~np.isfinite(rt.param_stat("param_norm").to_numpy())
     any_bad = loss_bad | (origin >= 0) | batch_bad | grad_bad.any(axis=1) | w_bad.any(axis=1)
     bad_rows = np.flatnonzero(any_bad)
@@ -80,14 +81,14 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         what = (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {step}: its "
                 f"output was non-finite while its inputs were finite")
         evidence["origin_module_output_absmax"] = float(mods_bad[origin[i]])
+    elif loss_bad[i]:
+        stage, where = "loss", []
+        what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
     elif bad_params.size:
         first = int(bad_params.max())  # backward reaches the last-defined parameters first
         stage, where = "backward", [rt.param_names[first]]
         what = (f"the forward pass of step {step} was finite but the gradient of {rt.param_names[first]} "
                 f"went non-finite ({len(bad_params)} parameter(s) with NaN/Inf gradients)")
-    elif loss_bad[i]:
-        stage, where = "loss", []
-        what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
     else:
         bad_w = np.flatnonzero(w_bad[i])
         stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]

@@ -56,7 +56,9 @@ def test_diverged_run_lists_its_findings(diverged):
 
 def test_healthy_run_says_no_problem(healthy):
     md = render_markdown(healthy, analyze(healthy))
-    checked = "nonfinite, exploding_gradients, vanishing_gradients"
+    from torchautopsy.analyzer.detectors import DETECTORS
+
+    checked = ", ".join(d.KIND for d in DETECTORS)
     assert f"**Verdict:** No problem found (checked: {checked})." in md
     assert len(md.splitlines()) <= 40
 

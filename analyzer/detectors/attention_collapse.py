@@ -1,0 +1,112 @@
+"""attention_collapse: attention heads degenerate.
+
+Data: per attention layer (nn.MultiheadAttention, or the module that called
+F.scaled_dot_product_attention) and head, on sampled steps: mean normalised row entropy, mean
+largest weight, share of mass on the single most-attended key, and the mean pairwise cosine
+similarity of the heads' maps. Three collapses, each judged per layer on the last
+`min_samples` samples and dated from the first sample after which it held to the end:
+
+- entropy collapse (Zhai et al. 2023): the layer's mean entropy under `entropy`, having been
+  above it earlier (a layer sharp from the first step is a design, not a collapse);
+- all mass on one position: every head's sink share above `sink_share`;
+- heads alike: similarity above `similarity` while the layer is sharp (mean entropy below
+  `alike_entropy`); near-uniform heads at initialisation are alike without being collapsed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import AttentionCollapseConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+KIND = "attention_collapse"
+REQUIRES = ("attention/entropy", "attention_sites/heads")
+
+_ADVICE = {
+    "entropy": "Entropy collapse usually follows attention logits that grow too large: lower the "
+               "learning rate or add a warm-up, use QK-LayerNorm or sigma-reparametrisation of the "
+               "query/key projections (Zhai et al. 2023), and check the softmax scale (1/sqrt(d_head)).",
+    "sink": "All heads attending to one position: check the attention mask and padding (a mask that "
+            "leaves one key visible), positional encodings, and whether the inputs at that position "
+            "dominate (a huge norm at a BOS/CLS token); lower the learning rate.",
+    "alike": "Heads that compute the same sharp pattern waste capacity (rank collapse): check that "
+             "the heads' projections are initialised independently, lower the learning rate, and "
+             "consider fewer heads or dropout on attention.",
+}
+
+
+def detect(rt: RankTrace, cfg: AttentionCollapseConfig) -> list[Finding]:
+    sites = rt.attention_sites
+    if len(sites) == 0:
+        return []
+    entropy = rt.attention_stat("entropy")
+    sink = rt.attention_stat("sink_share")
+    maxw = rt.attention_stat("max_weight")
+    sim = rt.attention_stat("head_similarity")
+    steps = entropy.index.to_numpy()
+    if len(steps) < cfg.min_samples:
+        return []
+    findings = []
+    for j, site in enumerate(sites.itertuples()):
+        cols = list(range(int(site.head_offset), int(site.head_offset + site.heads)))
+        ent = entropy.iloc[:, cols].to_numpy(dtype=float)
+        snk = sink.iloc[:, cols].to_numpy(dtype=float)
+        mw = maxw.iloc[:, cols].to_numpy(dtype=float)
+        sm = sim.iloc[:, j].to_numpy(dtype=float)
+        with np.errstate(all="ignore"):
+            mean_ent = np.nanmean(ent, axis=1) if ent.size else np.full(len(steps), np.nan)
+        conditions = {
+            "entropy": (mean_ent < cfg.entropy) & _was_above(mean_ent, cfg.entropy),
+            "sink": np.all(snk > cfg.sink_share, axis=1) & ~np.isnan(snk).all(axis=1),
+            "alike": (sm > cfg.similarity) & (mean_ent < cfg.alike_entropy) & (int(site.heads) > 1),
+        }
+        for how, cond in conditions.items():
+            begin = _holds_to_end(cond, cfg.min_samples)
+            if begin is None:
+                continue
+            last = len(steps) - 1
+            name = site.module or "(model)"
+            heads = [int(h) for h in range(int(site.heads))]
+            if how == "entropy":
+                low = [h for h in heads if ent[last, h] < cfg.entropy]
+                summary = (f"Attention entropy of {name} collapsed: mean normalised entropy "
+                           f"{mean_ent[last]:.3f} over its {int(site.heads)} heads at step {steps[last]} "
+                           f"(threshold {cfg.entropy:g}), since step {steps[begin]}; heads {low} are near one-hot.")
+            elif how == "sink":
+                summary = (f"Every head of {name} puts over {cfg.sink_share:.0%} of its attention on a "
+                           f"single key position since step {steps[begin]} (sink share "
+                           f"{np.nanmin(snk[last]):.3f}-{np.nanmax(snk[last]):.3f} at step {steps[last]}).")
+            else:
+                summary = (f"The {int(site.heads)} heads of {name} compute the same sharp pattern since "
+                           f"step {steps[begin]}: similarity {sm[last]:.4f}, mean entropy {mean_ent[last]:.3f}.")
+            evidence = {
+                "collapse": how,
+                "source": site.source,
+                "heads": int(site.heads),
+                "keys": int(rt.attention_stat("keys").iloc[last, j]) if len(sites) else None,
+                "entropy_per_head_at_end": [float(x) for x in ent[last]],
+                "entropy_mean_at_first_sample": float(mean_ent[0]),
+                "sink_share_per_head_at_end": [float(x) for x in snk[last]],
+                "max_weight_per_head_at_end": [float(x) for x in mw[last]],
+                "head_similarity_at_end": float(sm[last]),
+                "sampled_steps": [int(steps[0]), int(steps[last])],
+            }
+            findings.append(Finding(KIND, "warning", int(steps[begin]), [site.module], summary,
+                                    evidence, _ADVICE[how]))
+    return findings
+
+
+def _holds_to_end(cond: np.ndarray, min_samples: int) -> int | None:
+    """First index from which cond is True through the last sample, if that is >= min_samples."""
+    if cond.size < min_samples or not cond[-min_samples:].all():
+        return None
+    false = np.flatnonzero(~cond)
+    return int(false[-1] + 1) if false.size else 0
+
+
+def _was_above(x: np.ndarray, level: float) -> np.ndarray:
+    """For each sample, whether an earlier sample was at or above `level`."""
+    above = np.nan_to_num(x, nan=-np.inf) >= level
+    return np.concatenate([[False], np.logical_or.accumulate(above)[:-1]])

@@ -1,0 +1,139 @@
+"""dead_relu: a large share of a layer's units never activate over a window of steps.
+
+Data: per activation call site (an nn.ReLU module, or F.relu/torch.relu called inside some
+module's forward; also ReLU6, LeakyReLU, GELU), one bit per unit and window: was the output
+ever positive (activity/, written every `activity_window` steps). Heuristic: in the latest
+window, the share of units whose bit is 0 (among sites seen in at least `min_seen_share` of
+the window's steps). At `warning_share` or more it is a warning, at `error_share` an error.
+Each dead unit is dead since initialisation (never positive in any window) or died at a step
+(the first window after its last positive one). For LeakyReLU the units only leak (gradient
+times the slope, noted); GELU is reported only when its outputs are pinned at or below zero,
+and as a warning. Streams over windows: memory bounded by the number of units.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import DeadReluConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+KIND = "dead_relu"
+REQUIRES = ("activity/ever_positive", "activity_sites/units")
+
+_RELU_LIKE = {"relu", "relu6", "hardtanh", "leaky_relu", "gelu"}
+_LABEL = {"relu": "ReLU", "relu6": "ReLU6", "hardtanh": "ReLU6", "leaky_relu": "LeakyReLU", "gelu": "GELU"}
+
+_ADVICE_INIT = (
+    "Units dead from the first steps point at initialisation or inputs: use Kaiming/He init "
+    "for ReLU layers, do not initialise biases negative, normalise the inputs, or put a "
+    "normalisation layer (BatchNorm/LayerNorm) before the activation."
+)
+_ADVICE_DIED = (
+    "Units that died during training were usually pushed negative by large updates: lower the "
+    "learning rate or add a warm-up, clip gradients, or use LeakyReLU/GELU so a negative unit "
+    "still gets a gradient."
+)
+
+
+def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
+    sites = rt.activity_sites
+    if len(sites) == 0:
+        recorded = "activity_window" in rt.meta.get("config", {})
+        return [] if recorded or rt.n_steps == 0 else [_no_data(rt)]
+    sites = sites[sites["function"].isin(_RELU_LIKE) & (sites["units"] >= cfg.min_units)]
+    if len(sites) == 0:
+        return []
+
+    spans = [(int(o), int(o + u)) for o, u in zip(sites["bit_offset"], sites["units"])]
+    ever_alive = [np.zeros(b - a, dtype=bool) for a, b in spans]
+    last_alive_end = [np.full(b - a, -1, dtype=np.int64) for a, b in spans]
+    first_cross: list[int | None] = [None] * len(spans)
+    latest = None
+    n_windows = 0
+    for start, end, seen, bits, _ in rt.activity_windows():
+        n_windows += 1
+        length = end - start + 1
+        judged = []
+        for j, ((a, b), site_idx) in enumerate(zip(spans, sites.index)):
+            site_seen = seen[site_idx] if site_idx < len(seen) else 0
+            if site_seen < cfg.min_seen_share * length:
+                judged.append(None)
+                continue
+            alive = bits[a:b]
+            last_alive_end[j][alive] = end
+            ever_alive[j] |= alive
+            dead_share = 1.0 - alive.mean()
+            judged.append((alive, dead_share))
+            if dead_share >= cfg.warning_share:
+                if first_cross[j] is None:
+                    first_cross[j] = start
+            else:
+                first_cross[j] = None  # it recovered: only a share that lasts to the end counts
+        latest = (start, end, judged)
+    if latest is None:
+        return []
+
+    findings = []
+    start, end, judged = latest
+    for j, (row, info) in enumerate(zip(sites.itertuples(), judged)):
+        if info is None or info[1] < cfg.warning_share:
+            continue
+        alive, share = info
+        dead = ~alive
+        from_init = dead & ~ever_alive[j]
+        died = dead & ever_alive[j]
+        died_at = last_alive_end[j][died] + 1  # first step of the window after the last alive one
+        fn = row.function
+        label = _LABEL.get(fn, fn)
+        severity = "error" if share >= cfg.error_share and fn in ("relu", "relu6", "hardtanh") else "warning"
+        where = [row.module]
+        how = "" if _is_module_call(rt, row) else f" (F.{fn} call {row.call} in its forward)"
+        n_units = int(row.units)
+        evidence = {
+            "window_steps": [start, end],
+            "activation": label,
+            "units": n_units,
+            "dead_units": int(dead.sum()),
+            "dead_share": float(share),
+            "dead_since_start": int(from_init.sum()),
+            "died_during_training": int(died.sum()),
+            "first_death_step": int(died_at.min()) if died.any() else None,
+            "median_death_step": int(np.median(died_at)) if died.any() else None,
+            "unit_dim": int(row.unit_dim),
+        }
+        if fn == "leaky_relu":
+            evidence["negative_slope"] = float(row.param)
+        state = "never activated" if fn != "leaky_relu" else "never left the negative (leaky) region"
+        if fn == "gelu":
+            state = "were pinned at or below zero"
+        summary = (f"{int(dead.sum())} of {n_units} units ({share:.0%}) of the {label} in {row.module or '(model)'}"
+                   f"{how} {state} during steps {start}-{end}")
+        parts = []
+        if from_init.any():
+            parts.append(f"{int(from_init.sum())} since the start")
+        if died.any():
+            parts.append(f"{int(died.sum())} died during training, the first at step {int(died_at.min())}")
+        summary += f": {', '.join(parts)}." if parts else "."
+        if fn == "leaky_relu":
+            summary += f" Their gradient is scaled by the slope {row.param:g}."
+        advice = _ADVICE_DIED if died.sum() >= from_init.sum() else _ADVICE_INIT
+        if from_init.any() and died.any():
+            advice = _ADVICE_DIED + " " + _ADVICE_INIT
+        step = first_cross[j] if first_cross[j] is not None else start
+        findings.append(Finding(KIND, severity, int(step), where, summary, evidence, advice))
+    return findings
+
+
+def _is_module_call(rt: RankTrace, row) -> bool:
+    """True if the site is the activation module's own call (nn.ReLU -> F.relu)."""
+    mtype = rt.module_types[int(row.module_index)] if 0 <= int(row.module_index) < len(rt.module_types) else ""
+    return mtype in ("ReLU", "ReLU6", "LeakyReLU", "GELU", "Hardtanh") and int(row.call) == 0
+
+
+def _no_data(rt: RankTrace) -> Finding:
+    return Finding(KIND, "info", None, [],
+                   "dead_relu not checked: this trace has no per-unit activity (recorded by "
+                   "torchautopsy 0.1.0 or later with activity tracking).",
+                   {}, "Record again with a current torchautopsy; activity tracking is on by default.")

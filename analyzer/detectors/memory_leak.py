@@ -1,0 +1,140 @@
+"""memory_leak: memory grows steadily with steps instead of reaching a plateau.
+
+Data: per step, the process's resident memory and, on a GPU, the CUDA allocator's allocated and
+reserved bytes; every so often a census of live tensors (count, bytes, how many hold an
+autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a warm-up of
+`warmup_frac` of the run:
+
+- the growth (median of the last 5 steps minus median of the first 5) must reach
+  `min_growth_bytes` and `min_growth_share` of the starting level;
+- a one-off jump (one step holding `jump_share` of the growth) is not a leak;
+- a plateau (the last third growing at under `min_tail_slope_share` of the overall slope) is
+  warm-up or a cache filling up, not a leak; on CUDA, reserved memory growing while allocated
+  memory stays flat is the caching allocator, not a leak;
+- a straight line must explain the growth (R^2 >= `min_r2`).
+
+The leak is estimated as the fitted slope (bytes per step), dated from the first step the
+memory rose above its starting level. The tensor census, when it grows too, points at the cause.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import MemoryLeakConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+KIND = "memory_leak"
+REQUIRES = ("steps/rss_bytes",)
+
+_ADVICE_GRAPH = (
+    "A tensor that holds an autograd graph is kept from step to step — typically "
+    "`losses.append(loss)` or `total += loss`: keep `loss.item()` (or `loss.detach()`) instead, "
+    "so each step's graph and its saved activations can be freed."
+)
+_ADVICE_TENSORS = (
+    "Tensors accumulate across steps: look for lists, dicts or caches that grow each step (hooks "
+    "that store outputs, metrics kept as tensors, torch.cat into a buffer) and keep only what you "
+    "need, detached and on the CPU."
+)
+_ADVICE_OTHER = (
+    "Memory grows outside the tensors visible to Python: autograd graphs kept alive by a "
+    "reference (retain_graph=True, a stored loss), Python objects accumulated per step (lists of "
+    "metrics, logging buffers), or a data loader that caches samples. Compare memory snapshots "
+    "a few hundred steps apart (tracemalloc, torch.cuda.memory._snapshot())."
+)
+
+
+def detect(rt: RankTrace, cfg: MemoryLeakConfig) -> list[Finding]:
+    steps_df = rt.steps
+    if len(steps_df) < cfg.min_steps:
+        return []
+    steps = steps_df.index.to_numpy()
+    findings = []
+    alloc = steps_df["cuda_allocated_bytes"].to_numpy(dtype=float)
+    series = []
+    if (alloc >= 0).all():
+        series.append(("cuda_allocated_bytes", "GPU memory allocated by tensors", alloc))
+    series.append(("rss_bytes", "resident memory of the process", steps_df["rss_bytes"].to_numpy(dtype=float)))
+    for column, label, y in series:
+        f = _leak(rt, steps, y, column, label, cfg)
+        if f is not None:
+            findings.append(f)
+            break  # a device leak shows in RSS too (pinned buffers); report the most direct one
+    return findings
+
+
+def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
+    start = max(int(len(y) * cfg.warmup_frac), 5)
+    x, v = steps[start:].astype(float), y[start:]
+    ok = np.isfinite(v) & (v >= 0)
+    x, v = x[ok], v[ok]
+    if len(v) < cfg.min_steps:
+        return None
+    base, end = float(np.median(v[:5])), float(np.median(v[-5:]))
+    growth = end - base
+    if growth < max(cfg.min_growth_bytes, cfg.min_growth_share * base):
+        return None
+    jumps = np.diff(v)
+    if jumps.max() >= cfg.jump_share * growth:
+        return None
+    slope, intercept = np.polyfit(x, v, 1)
+    fit = slope * x + intercept
+    ss_res, ss_tot = float(((v - fit) ** 2).sum()), float(((v - v.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    tail = len(v) * 2 // 3
+    tail_slope = np.polyfit(x[tail:], v[tail:], 1)[0] if len(v) - tail >= 3 else 0.0
+    if r2 < cfg.min_r2 or tail_slope < cfg.min_tail_slope_share * slope or slope <= 0:
+        return None
+    rise = np.flatnonzero(v > base + 0.05 * growth)
+    begin = int(x[rise[0]]) if rise.size else int(x[0])
+    evidence = {
+        "series": column,
+        "bytes_per_step": float(slope),
+        "growth_bytes": float(growth),
+        "from_bytes": base,
+        "to_bytes": end,
+        "steps_analysed": [int(x[0]), int(x[-1])],
+        "r2": float(r2),
+        "tail_slope_share": float(tail_slope / slope),
+    }
+    cause, advice = _census(rt, steps, evidence)
+    mb = slope / 2**20
+    per = f"{mb:.2f} MiB" if abs(mb) >= 0.01 else f"{slope / 1024:.1f} KiB"
+    summary = (f"Memory leak: the {label} grows steadily by {per} per step, "
+               f"{base / 2**20:.0f} -> {end / 2**20:.0f} MiB over steps {int(x[0])}-{int(x[-1])} "
+               f"(straight-line fit R^2 {r2:.2f}), since about step {begin}. {cause}")
+    return Finding(KIND, "warning", begin, [], summary.strip(), evidence, advice)
+
+
+def _census(rt, steps, evidence) -> tuple[str, str]:
+    """What the live-tensor census says about the cause, and the matching advice."""
+    df = rt.steps
+    n = df["live_tensors"].to_numpy(dtype=float)
+    g = df["live_tensors_with_graph"].to_numpy(dtype=float)
+    b = df["live_tensor_bytes"].to_numpy(dtype=float)
+    # Every census counts (also in the warm-up): the census is sparse, and what a leak adds per
+    # step shows from the first step on.
+    sel = n >= 0
+    if sel.sum() < 3:
+        return ("No tensor census covers the growth (it runs every census_every steps).", _ADVICE_OTHER)
+    xs = steps[sel].astype(float)
+    n_slope = float(np.polyfit(xs, n[sel], 1)[0])
+    g_slope = float(np.polyfit(xs, g[sel], 1)[0])
+    b_slope = float(np.polyfit(xs, b[sel], 1)[0])
+    evidence.update({
+        "census_steps": int(sel.sum()),
+        "live_tensors": [int(n[sel][0]), int(n[sel][-1])],
+        "live_tensors_per_step": n_slope,
+        "live_tensors_with_graph_per_step": g_slope,
+        "live_tensor_bytes_per_step": b_slope,
+    })
+    if g_slope >= 0.5:
+        return (f"Live tensors holding an autograd graph grow by {g_slope:.1f} per step "
+                f"({int(g[sel][0])} -> {int(g[sel][-1])}): a tensor with its graph is kept across "
+                f"iterations.", _ADVICE_GRAPH)
+    if n_slope >= 0.5 or b_slope >= 0.5 * evidence["bytes_per_step"]:
+        return (f"Live tensors grow by {n_slope:.1f} per step ({b_slope / 1024:.1f} KiB per step): "
+                f"tensors accumulate across iterations.", _ADVICE_TENSORS)
+    return ("The live tensors visible to Python do not grow.", _ADVICE_OTHER)

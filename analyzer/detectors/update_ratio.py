@@ -1,0 +1,161 @@
+"""update_ratio: weight updates far too large or far too small against the weights themselves.
+
+Heuristic: the recorder samples each parameter's update-to-weight ratio ||w_after - w_before|| /
+||w_before|| every `update_ratio_every` steps (default 10). A healthy ratio is "somewhere around
+1e-3" (Karpathy, CS231n "Neural Networks Part 3", ratio of weights:updates). For each weight,
+take the median of its finite samples over the last `window_frac` of them (at least
+`min_samples`; early steps are larger and are left out):
+
+- median > `too_large` (1e-1): warning, the learning rate is too high for these weights;
+- median < `too_small` (1e-6) while the weight receives a non-zero gradient (median over the
+  same samples): warning, it barely moves (not in the optimizer, learning rate ~0, every step
+  skipped, or gradients vanishing). Weights with no gradient (frozen) or an exactly zero one
+  (vanishing_gradients and dead_relu report why) are not judged.
+
+Judged: parameters of `min_ndim` (2) or more dimensions only — weight matrices, conv kernels,
+embeddings. Biases start at 0 and their ratio is huge or meaningless; norm gains barely move by
+design. Weights whose RMS is below `min_weight_rms` when first sampled (zero-initialised: LoRA
+B, zero-init output projections) are skipped, since their ratio is relative to ~0; so are
+samples where it is. The step named is the first sample of the last stretch, reaching into the
+judged window, over which the trailing median of `onset_samples` samples stayed beyond the
+threshold, moved back to the first sample of that median's window that was itself beyond it.
+
+Sources: Karpathy's rule of thumb for the usual value; the thresholds sit two orders above and
+three below it, and were checked against the sample traces (see UpdateRatioConfig).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import UpdateRatioConfig
+from ..findings import Finding
+from ..series import trailing_median
+from ..trace import RankTrace
+
+KIND = "update_ratio"
+REQUIRES = ("updates/ratio", "params/param_norm", "params/grad_norm")
+
+ADVICE_LARGE = (
+    "Each optimizer step changes these weights by more than a tenth of their size; ~1e-3 is "
+    "usual. Lower the learning rate (for these parameters at least, via a param group) until the "
+    "ratio is near 1e-3, add or lengthen a warm-up, and clip the gradient norm; with SGD check "
+    "that the loss is not summed over a large batch (use the mean)."
+)
+ADVICE_SMALL = (
+    "These weights receive gradients but barely change. Check that they are in the optimizer "
+    "(an optimizer built before the model was replaced, moved or wrapped holds other tensors), "
+    "that the learning rate and its schedule are not ~0 (e.g. a warm-up from 0 that never ends, "
+    "or lr given in the wrong unit), and that a GradScaler is not skipping every step. If the "
+    "gradients themselves are tiny, see vanishing_gradients. With gradient accumulation, call "
+    "rec.step() once per optimizer step, not per micro-batch."
+)
+
+
+def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
+    if rt.n_steps == 0 or not rt.param_names:
+        return []
+    upd = rt.update_ratio()
+    if len(upd) < cfg.min_samples:
+        return []
+    rows = np.searchsorted(rt.step_index, upd.index.to_numpy())
+    rows = np.minimum(rows, rt.n_steps - 1)
+    keep = rt.step_index[rows] == upd.index.to_numpy()
+    ratio = upd.to_numpy(dtype=np.float64)[keep]
+    rows = rows[keep]
+    sample_steps = upd.index.to_numpy()[keep]
+    if len(rows) < cfg.min_samples:
+        return []
+    numel = rt.param_numel.astype(np.float64)
+    w_norm = rt.param_stat("param_norm").to_numpy(dtype=np.float64)
+    # ||w_before||: the weight's norm at the end of the previous step where it was recorded; at
+    # step 0, ||w_after|| / (1 + ratio), a lower bound that is 0 when the ratio is Inf (w was 0).
+    with np.errstate(invalid="ignore", divide="ignore"):
+        at_start = w_norm[rows] / (1.0 + ratio)
+    before = np.where((rows > 0)[:, None], w_norm[np.maximum(rows - 1, 0)], at_start)
+    w_rms = before / np.sqrt(np.maximum(numel, 1.0))
+    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)[rows]
+
+    large, small, judged, zero_init = {}, {}, 0, []
+    for j, shape in enumerate(rt.param_shapes):
+        if len(shape) < cfg.min_ndim:
+            continue
+        r = ratio[:, j]
+        first = np.flatnonzero(~np.isnan(r))
+        if not first.size:
+            continue
+        f0 = int(first[0])
+        if w_rms[f0, j] < cfg.min_weight_rms:
+            zero_init.append(rt.param_names[j])
+            continue
+        ok = np.flatnonzero(np.isfinite(r) & (w_rms[:, j] >= cfg.min_weight_rms))
+        if len(ok) < cfg.min_samples:
+            continue
+        judged += 1
+        n_win = max(cfg.min_samples, int(np.ceil(len(ok) * cfg.window_frac)))
+        win = ok[-n_win:]
+        med = float(np.median(r[win]))
+        if med > cfg.too_large:
+            large[j] = _judgement(r, ok, win, med, sample_steps, g[:, j], cfg, above=True)
+        elif med < cfg.too_small and (_nanmedian(g[win, j]) or 0.0) > 0:
+            small[j] = _judgement(r, ok, win, med, sample_steps, g[:, j], cfg, above=False)
+
+    findings = []
+    context = {"weights_judged": judged, "skipped_zero_initialised": zero_init[:20],
+               "min_ndim": cfg.min_ndim, "usual_ratio": 1e-3}
+    if large:
+        findings.append(_finding(rt, large, "too_large", cfg.too_large, context,
+                                 "Updates are too large", ADVICE_LARGE, reverse=True))
+    if small:
+        findings.append(_finding(rt, small, "too_small", cfg.too_small, context,
+                                 "Weights barely move", ADVICE_SMALL, reverse=False))
+    return findings
+
+
+def _judgement(r, ok, win, med, sample_steps, g, cfg, above: bool) -> dict:
+    """The median, its window and the onset of one weight's out-of-range ratio."""
+    series = r[ok]
+    tm = trailing_median(series, cfg.onset_samples)
+    beyond = tm > cfg.too_large if above else tm < cfg.too_small
+    k = len(ok) - len(win)  # first position of the window in the valid series
+    hits = np.flatnonzero(beyond[k:])
+    i = k + int(hits[0]) if hits.size else k
+    while i > 0 and beyond[i - 1]:
+        i -= 1
+    # The trailing median crosses a sample or two late: the first raw sample of its window that
+    # was itself beyond the threshold is where it began.
+    lo = max(0, i - cfg.onset_samples + 1)
+    raw = series[lo:i + 1] > cfg.too_large if above else series[lo:i + 1] < cfg.too_small
+    i = lo + int(np.flatnonzero(raw)[0]) if raw.any() else i
+    return {"median": med, "onset_step": int(sample_steps[ok[i]]),
+            "window_steps": [int(sample_steps[win[0]]), int(sample_steps[win[-1]])],
+            "median_grad_norm": _nanmedian(g[win])}
+
+
+def _nanmedian(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else None
+
+
+def _finding(rt, hits: dict, direction: str, threshold: float, context: dict, head: str,
+             advice: str, reverse: bool) -> Finding:
+    order = sorted(hits, key=lambda j: hits[j]["median"], reverse=reverse)
+    names = [rt.param_names[j] for j in order]
+    step = min(h["onset_step"] for h in hits.values())
+    first = hits[order[0]]
+    evidence = {
+        "direction": direction,
+        "threshold": threshold,
+        **context,
+        "median_ratio_by_parameter": {rt.param_names[j]: hits[j]["median"] for j in order[:20]},
+        "onset_step_by_parameter": {rt.param_names[j]: hits[j]["onset_step"] for j in order[:20]},
+        "median_grad_norm_by_parameter": {rt.param_names[j]: hits[j]["median_grad_norm"] for j in order[:20]},
+        "window_steps": first["window_steps"],
+    }
+    side = "above" if direction == "too_large" else "below"
+    others = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    summary = (f"{head}: the median update-to-weight ratio ||dw||/||w|| of {names[0]}{others} is "
+               f"{first['median']:.3g} over steps {first['window_steps'][0]}-{first['window_steps'][1]}, "
+               f"{side} {threshold:g} (~1e-3 is usual; {len(names)} of {context['weights_judged']} "
+               f"weight tensors), since step {step}.")
+    return Finding(KIND, "warning", step, names, summary, evidence, advice)

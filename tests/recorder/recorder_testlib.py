@@ -1,0 +1,112 @@
+"""Real small models, deterministic data and a trace reader shared by the recorder tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import h5py
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+# -- models -----------------------------------------------------------------------------------
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(),
+        nn.Linear(16, 16), nn.ReLU(),
+        nn.Linear(16, 3),
+    )
+
+
+def make_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(), nn.Linear(24, 3),
+    )
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d_in: int = 5, d_model: int = 16, n_classes: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(d_in, d_model)
+        layer = nn.TransformerEncoderLayer(d_model=d_model, nhead=2, dim_feedforward=32,
+                                           dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, n_classes)
+
+    def forward(self, x):
+        h = self.encoder(self.embed(x))
+        return self.head(h.mean(dim=1))
+
+
+def make_transformer() -> nn.Module:
+    return TinyTransformer()
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+
+# Modules whose sampled activation statistics the round-trip test checks against its own hooks
+# (a Linear and, where the model has one as a module, a ReLU).
+WATCHED = {
+    "mlp": ["0", "1", "4"],
+    "cnn": ["2", "9"],
+    "transformer": ["embed", "encoder.layers.0.linear1", "head"],
+}
+
+
+def batch(kind: str, step: int, n: int = 16):
+    """The (input, target) batch of a step: the same for every run, independent of model RNG."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        x = torch.randn(n, 8, generator=g)
+    elif kind == "cnn":
+        x = torch.randn(n, 1, 8, 8, generator=g)
+    else:
+        x = torch.randn(n, 6, 5, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return x, y
+
+
+def build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MODELS[kind]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt
+
+
+def train_step(model, opt, x, y):
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+# -- traces -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def open_trace(path):
+    """Open a trace for reading: plain first, SWMR if the writer never closed it (killed)."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError:
+        f = h5py.File(path, "r", swmr=True)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def names(ds) -> list[str]:
+    return list(ds.asstr()[:])
+
+
+def attr_str(f, key) -> str:
+    v = f.attrs[key]
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def hooks_left(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

@@ -1,0 +1,304 @@
+"""Where NaN/Inf is born: steps/nonfinite_origin names the module that produced it (not the
+ones that pass it on, not its parent), steps/batch_nonfinite flags a bad input batch, and
+params/grad_nonfinite counts non-finite gradient elements exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from torchautopsy import Recorder
+
+from recorder_testlib import names, open_trace
+
+NAN_STEP = 5
+
+
+class NaNAt(nn.Module):
+    """Passes its input through, except on its NAN_STEP-th call, where it multiplies by NaN."""
+
+    def __init__(self, at=NAN_STEP, inplace=False):
+        super().__init__()
+        self.at, self.inplace, self.calls = at, inplace, 0
+
+    def forward(self, x):
+        if self.calls == self.at:
+            x = x.mul_(float("nan")) if self.inplace else x * float("nan")
+        self.calls += 1
+        return x
+
+
+class LogOf(nn.Module):
+    """log(x + shift): finite while x + shift > 0; the test pushes it negative at one step."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = 10.0
+
+    def forward(self, x):
+        return torch.log(x + self.shift)
+
+
+class ParentMakesNaN(nn.Module):
+    """A container whose own forward code (between its two children) produces the NaN."""
+
+    def __init__(self, inplace=False):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.inplace, self.calls = inplace, 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.calls == NAN_STEP:
+            h = h.mul_(float("nan")) if self.inplace else h * float("nan")
+        self.calls += 1
+        return self.b(h)
+
+
+def _train(model, run_dir, n_steps, batch_fn=None, before_step=None, **options):
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, run_dir, **options) as rec:
+        for step in range(n_steps):
+            if before_step:
+                before_step(step)
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4, 8, generator=g)
+            if batch_fn:
+                x = batch_fn(step, x)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    with open_trace(run_dir / "rank0.h5") as f:
+        return (names(f["modules/name"]), f["steps/nonfinite_origin"][:], f["steps/batch_nonfinite"][:],
+                f["modules/output_absmax"][:])
+
+
+def _origin_names(mnames, origin):
+    return [mnames[i] if i >= 0 else None for i in origin]
+
+
+def _nested_chain(producer):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 8), producer, nn.Tanh(), nn.Linear(8, 8)),
+        nn.ReLU(),
+        nn.Linear(8, 2),
+    )
+
+
+def test_origin_is_the_producing_module_not_later_ones_nor_its_parent(tmp_path):
+    model = _nested_chain(NaNAt())
+    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1)
+    assert mnames[mnames.index("1.1")] == "1.1" and type(model[1][1]) is NaNAt
+    got = _origin_names(mnames, origin)
+    assert got[:NAN_STEP] == [None] * NAN_STEP
+    assert got[NAN_STEP] == "1.1"
+    # the evidence: its input (the output of 1.0) was finite, its output and all after not
+    i = mnames.index
+    assert np.isfinite(absmax[NAN_STEP, i("1.0")]) and np.isfinite(absmax[NAN_STEP, i("0")])
+    for n in ("1.1", "1.2", "1.3", "1", "2", "3", ""):
+        assert np.isnan(absmax[NAN_STEP, i(n)]), n
+
+
+def test_origin_of_a_log_of_a_negative_value(tmp_path):
+    model = _nested_chain(LogOf())
+    log = model[1][1]
+
+    def before_step(step):
+        log.shift = -1e3 if step == NAN_STEP else 10.0
+
+    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1, before_step=before_step)
+    got = _origin_names(mnames, origin)
+    assert got == [None] * NAN_STEP + ["1.1"]
+
+
+def test_origin_is_the_parent_when_its_own_code_makes_the_nan(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ParentMakesNaN(), nn.ReLU(), nn.Linear(8, 2))
+    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1)
+    got = _origin_names(mnames, origin)
+    assert got == [None] * NAN_STEP + ["1"]
+    assert np.isfinite(absmax[NAN_STEP, mnames.index("1.a")])
+    assert np.isnan(absmax[NAN_STEP, mnames.index("1.b")])
+
+
+def test_origin_of_a_nan_from_the_root_forward_itself(tmp_path):
+    """The root's own forward code (no child produced it) is module index 0, name ''."""
+    torch.manual_seed(0)
+    model = ParentMakesNaN()
+    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", NAN_STEP + 1)
+    assert list(origin) == [-1] * NAN_STEP + [0] and mnames[0] == ""
+    assert (batch_bad == 0).all()
+
+
+@pytest.mark.parametrize("where", ["child", "parent"])
+def test_origin_of_an_in_place_nan(tmp_path, where):
+    torch.manual_seed(0)
+    if where == "child":
+        model = _nested_chain(NaNAt(inplace=True))
+        expected = "1.1"
+    else:
+        model = nn.Sequential(nn.Linear(8, 8), ParentMakesNaN(inplace=True), nn.ReLU(), nn.Linear(8, 2))
+        expected = "1"
+    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1)
+    assert _origin_names(mnames, origin) == [None] * NAN_STEP + [expected]
+
+
+def test_nan_in_the_input_batch(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def batch_fn(step, x):
+        if step == 3:
+            x[1, 2] = float("nan")
+        return x
+
+    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", 6, batch_fn=batch_fn)
+    assert list(batch_bad) == [0, 0, 0, 1, 0, 0]
+    assert list(origin[:3]) == [-1, -1, -1]
+    assert origin[3] != -1  # something went non-finite at step 3 ...
+    # ... and it was not born in a module: none of them saw finite inputs and made NaN.
+    assert mnames[origin[3]] in ("0", "")
+
+
+def test_grad_nonfinite_counts_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 2))
+    target = model[2].weight  # 64 elements
+    bad_step, n_nan, n_inf = 4, 3, 2
+    state = {"step": 0}
+
+    def poison(grad):
+        if state["step"] != bad_step:
+            return grad
+        g = grad.clone()
+        flat = g.view(-1)
+        flat[[1, 7, 20]] = float("nan")
+        flat[[30]] = float("inf")
+        flat[[41]] = -float("inf")
+        return g
+
+    target.register_hook(poison)
+    # The run stops at the bad step: the NaN has not spread to other gradients yet.
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_norms = []
+    with Recorder(model, tmp_path / "run") as rec:
+        for step in range(bad_step + 1):
+            state["step"] = step
+            x = torch.randn(4, 8)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            ref_norms.append([torch.linalg.vector_norm(p.grad).item() for p in model.parameters()])
+            opt.step()
+            rec.step(loss=loss)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        pnames = names(f["params/name"])
+        counts = f["params/grad_nonfinite"][:]
+        gn = f["params/grad_norm"][:]
+    k = pnames.index("2.weight")
+    expected = np.zeros_like(counts)
+    expected[bad_step, k] = n_nan + n_inf
+    np.testing.assert_array_equal(counts, expected)
+    assert np.isnan(gn[bad_step, k])
+    others = [j for j in range(len(pnames)) if j != k]
+    assert np.isfinite(gn[:, others]).all() and np.isfinite(gn[:bad_step]).all()
+    np.testing.assert_allclose(gn[:, others], np.array(ref_norms)[:, others], rtol=1e-5)
+
+
+def test_grad_inf_only_is_counted(tmp_path):
+    """An Inf without any NaN (norm = inf, not NaN) is still counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    model[0].bias.register_hook(lambda g: torch.where(torch.arange(5) < 2, torch.full_like(g, float("inf")), g))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Recorder(model, tmp_path / "run") as rec:
+        loss = model(torch.randn(2, 3)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rec.step(loss=loss)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        pnames = names(f["params/name"])
+        assert list(f["params/grad_nonfinite"][0]) == [2 if n == "0.bias" else 0 for n in pnames]
+        assert f["params/grad_norm"][0, pnames.index("0.bias")] == np.inf
+        assert f["params/grad_absmax"][0, pnames.index("0.bias")] == np.inf
+
+
+class CausalMask(nn.Module):
+    """Masks attention scores above the diagonal with -inf (what softmax then turns into 0)."""
+
+    def forward(self, scores):
+        t = scores.shape[-1]
+        return scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.mask, self.softmax = CausalMask(), nn.Softmax(dim=-1)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(self.softmax(self.mask(scores)) @ x)
+
+
+def _healthy_run_origins(model, run_dir, make_input, n_steps=3, **fwd_kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, run_dir) as rec:
+        for step in range(n_steps):
+            loss = model(make_input(), **fwd_kwargs).pow(2).mean()
+            assert torch.isfinite(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    with open_trace(run_dir / "rank0.h5") as f:
+        return names(f["modules/name"]), f["steps/nonfinite_origin"][:]
+
+
+def test_causal_mask_in_transformer_encoder_is_not_a_nonfinite(tmp_path):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    mnames, origin = _healthy_run_origins(model, tmp_path / "run", lambda: torch.randn(2, 5, 8),
+                                          mask=mask, is_causal=True)
+    assert (origin == -1).all(), [mnames[i] for i in origin]
+
+
+def test_module_returning_minus_inf_mask_is_not_a_nonfinite_origin(tmp_path):
+    torch.manual_seed(0)
+    mnames, origin = _healthy_run_origins(MaskedAttention(), tmp_path / "run", lambda: torch.randn(2, 4, 4))
+    assert (origin == -1).all(), [mnames[i] for i in origin]
+
+
+def test_overflowing_norm_of_finite_gradients_is_not_nonfinite(tmp_path):
+    """Finite gradient elements (1e20) whose float32 norm overflows: the stored norm is finite
+    (recomputed), grad_absmax exact, and nothing is counted as non-finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 1))
+    model[0].weight.register_hook(lambda g: torch.full_like(g, 1e20))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Recorder(model, tmp_path / "run") as rec:
+        loss = model(torch.randn(2, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rec.step(loss=loss)
+        assert not torch.isfinite(torch.linalg.vector_norm(model[0].weight.grad))  # f32 overflows
+        ref = torch.linalg.vector_norm(model[0].weight.grad, dtype=torch.float64).item()
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        k = names(f["params/name"]).index("0.weight")
+        np.testing.assert_allclose(f["params/grad_norm"][0, k], ref, rtol=1e-5)
+        np.testing.assert_allclose(f["params/grad_absmax"][0, k], 1e20, rtol=1e-6)
+        assert (f["params/grad_nonfinite"][0] == 0).all()

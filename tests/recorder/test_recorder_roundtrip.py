@@ -1,0 +1,208 @@
+"""Round trip: train real models with the Recorder, read the HDF5 trace back, compare every
+recorded number with a reference the test computes itself from the same tensors."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchautopsy import Recorder
+
+from recorder_testlib import WATCHED, attr_str, batch, build, hooks_left, names, open_trace
+
+N_STEPS = 12  # two activation / update-ratio samples at the default schedule: steps 0 and 10
+
+
+def _train_with_references(kind, run_dir, n_steps=N_STEPS, act_every=10, upd_every=10, **options):
+    model, opt = build(kind)
+    modules = dict(model.named_modules())
+    params = [p for _, p in model.named_parameters()]
+    ref = {"loss": [], "grad_norm": [], "grad_absmax": [], "param_norm": [], "out_absmax": [],
+           "acts": {}, "ratio": {}}
+    state = {"step": 0, "outs": {}}
+
+    def watch(name):
+        def hook(module, args, out):
+            o = out[0] if isinstance(out, tuple) else out
+            assert name not in state["outs"], "watched modules are called once per step"
+            state["outs"][name] = o.detach().to(torch.float64).clone()
+        return hook
+
+    test_handles = [modules[n].register_forward_hook(watch(n)) for n in WATCHED[kind]]
+    t0 = time.time()
+    rec = Recorder(model, run_dir, **options)
+    try:
+        for step in range(n_steps):
+            state["step"], state["outs"] = step, {}
+            x, y = batch(kind, step)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            rec.step(loss=loss)
+            with torch.no_grad():
+                ref["loss"].append(float(loss.detach()))
+                ref["grad_norm"].append([torch.linalg.vector_norm(p.grad).item() for p in params])
+                ref["grad_absmax"].append([p.grad.abs().max().item() for p in params])
+                ref["param_norm"].append([torch.linalg.vector_norm(p).item() for p in params])
+                ref["out_absmax"].append([state["outs"][n].abs().max().item() for n in WATCHED[kind]])
+                if step % act_every == 0:
+                    for n, o in state["outs"].items():
+                        ref["acts"][(step, n)] = (o.mean().item(), o.std().item(),
+                                                  (o == 0).double().mean().item(), o.abs().max().item())
+                if step % upd_every == 0:
+                    ref["ratio"][step] = [
+                        (torch.linalg.vector_norm(p.detach().double() - b.double())
+                         / torch.linalg.vector_norm(b.double())).item()
+                        for p, b in zip(params, before)
+                    ]
+    finally:
+        rec.close()
+        for h in test_handles:
+            h.remove()
+    return model, rec, ref, t0
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_round_trip(kind, tmp_path):
+    model, rec, ref, t0 = _train_with_references(kind, tmp_path / "run")
+    path = tmp_path / "run" / "rank0.h5"
+    assert path.is_file()
+    assert hooks_left(model) == 0, "close() must remove every hook it installed"
+
+    pnames = [n for n, _ in model.named_parameters()]
+    plist = [p for _, p in model.named_parameters()]
+    mnames = [n for n, _ in model.named_modules()]
+
+    with open_trace(path) as f:
+        # -- run metadata --
+        a = f.attrs
+        assert attr_str(f, "format") == "torchautopsy-trace"
+        assert int(a["schema_version"]) == 1
+        assert attr_str(f, "torch_version") == torch.__version__
+        assert attr_str(f, "host") == socket.gethostname()
+        assert int(a["rank"]) == 0 and int(a["world_size"]) == 1
+        start = dt.datetime.fromisoformat(attr_str(f, "start_time"))
+        assert start.tzinfo is not None
+        assert abs(start.timestamp() - t0) < 5
+        cfg = json.loads(attr_str(f, "config"))
+        assert cfg["activations_every"] == 10 and cfg["update_ratio_every"] == 10
+        assert attr_str(f, "model_summary") == str(model)
+        assert bool(a["closed"]) is True
+        assert attr_str(f, "end_reason") == "closed"
+        assert int(a["n_steps_recorded"]) == N_STEPS
+        assert int(a["dropped_steps"]) == 0
+
+        # -- static tables --
+        assert names(f["params/name"]) == pnames
+        assert [json.loads(s) for s in names(f["params/shape"])] == [list(p.shape) for p in plist]
+        assert list(f["params/numel"][:]) == [p.numel() for p in plist]
+        assert names(f["modules/name"]) == mnames
+        assert names(f["modules/type"]) == [type(m).__name__ for _, m in model.named_modules()]
+        assert [bool(v) for v in f["modules/is_leaf"][:]] == [
+            len(list(m.children())) == 0 for _, m in model.named_modules()]
+
+        # -- per-step tables --
+        np.testing.assert_array_equal(f["steps/step"][:], np.arange(N_STEPS))
+        loss = f["steps/loss"][:]
+        assert loss.dtype == np.float64
+        np.testing.assert_array_equal(loss, np.array(ref["loss"], dtype=np.float64))  # exact
+        assert (f["steps/nonfinite_origin"][:] == -1).all()
+        assert (f["steps/batch_nonfinite"][:] == 0).all()
+        assert (f["steps/rss_bytes"][:] > 10 * 2**20).all()
+        assert (f["steps/cuda_allocated_bytes"][:] == -1).all()
+        assert (np.diff(f["steps/time_s"][:]) >= 0).all()
+
+        assert f["params/grad_norm"].shape == (N_STEPS, len(pnames))
+        np.testing.assert_allclose(f["params/grad_norm"][:], ref["grad_norm"], rtol=1e-5)
+        np.testing.assert_allclose(f["params/grad_absmax"][:], ref["grad_absmax"], rtol=1e-6)
+        np.testing.assert_allclose(f["params/param_norm"][:], ref["param_norm"], rtol=1e-5)
+        assert (f["params/grad_nonfinite"][:] == 0).all()
+
+        widx = [mnames.index(n) for n in WATCHED[kind]]
+        oabs = f["modules/output_absmax"][:]
+        assert oabs.shape == (N_STEPS, len(mnames))
+        np.testing.assert_allclose(oabs[:, widx], ref["out_absmax"], rtol=1e-6)
+        # -1 marks "not called this step": containers never called (ModuleList) and the
+        # out_proj of MultiheadAttention (its weight is used functionally); all others ran.
+        not_called = [i for i, (n, m) in enumerate(model.named_modules())
+                      if isinstance(m, torch.nn.ModuleList) or n.endswith("self_attn.out_proj")]
+        assert (oabs[:, not_called] == -1).all()
+        called = np.setdiff1d(np.arange(len(mnames)), not_called)
+        assert np.isfinite(oabs[:, called]).all() and (oabs[:, called] >= 0).all()
+
+        # -- sampled activations: steps 0, 10 --
+        np.testing.assert_array_equal(f["activations/step"][:], [0, 10])
+        for row, step in enumerate([0, 10]):
+            for n, i in zip(WATCHED[kind], widx):
+                mean, std, zero_frac, absmax = ref["acts"][(step, n)]
+                got = {k: float(f[f"activations/{k}"][row, i]) for k in ("mean", "std", "zero_frac", "absmax")}
+                np.testing.assert_allclose(got["mean"], mean, rtol=1e-4, atol=1e-7, err_msg=f"{n} mean")
+                np.testing.assert_allclose(got["std"], std, rtol=1e-4, err_msg=f"{n} std")
+                np.testing.assert_allclose(got["zero_frac"], zero_frac, rtol=1e-4, err_msg=f"{n} zero_frac")
+                np.testing.assert_allclose(got["absmax"], absmax, rtol=1e-6, err_msg=f"{n} absmax")
+            assert (f["activations/nonfinite"][row, called] == 0).all()
+            assert (f["activations/nonfinite"][row, not_called] == -1).all()  # -1: not called
+            assert np.isnan(f["activations/mean"][row, not_called]).all()
+            assert np.isfinite(f["activations/mean"][row, called]).all()
+        if kind in ("mlp", "cnn"):  # a ReLU's zero share is real, not a default 0
+            relu = mnames.index(WATCHED[kind][1] if kind == "mlp" else "2")
+            assert 0.05 < f["activations/zero_frac"][0, relu] < 0.95
+
+        # -- sampled update-to-weight ratios: steps 0, 10 --
+        np.testing.assert_array_equal(f["updates/step"][:], [0, 10])
+        ratio = f["updates/ratio"][:]
+        assert ratio.shape == (2, len(pnames))
+        np.testing.assert_allclose(ratio, [ref["ratio"][0], ref["ratio"][10]], rtol=1e-4)
+        # (a conv bias followed by BatchNorm gets no gradient, so its ratio is a true 0)
+        assert np.isfinite(ratio[1]).all() and (ratio[1] >= 0).all() and (ratio[1] > 0).mean() > 0.5
+
+
+def test_custom_sampling_schedules(tmp_path):
+    """activations_every / update_ratio_every are honoured, including the update ratio over
+    exactly one step (weights copied after the step before the sampled one)."""
+    model, rec, ref, _ = _train_with_references(
+        "mlp", tmp_path / "run", n_steps=10, act_every=4, upd_every=3,
+        activations_every=4, update_ratio_every=3)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        np.testing.assert_array_equal(f["activations/step"][:], [0, 4, 8])
+        np.testing.assert_array_equal(f["updates/step"][:], [0, 3, 6, 9])
+        np.testing.assert_allclose(f["updates/ratio"][:], [ref["ratio"][s] for s in (0, 3, 6, 9)], rtol=1e-4)
+        mnames = names(f["modules/name"])
+        i = mnames.index("0")
+        np.testing.assert_allclose(f["activations/mean"][:, i], [ref["acts"][(s, "0")][0] for s in (0, 4, 8)],
+                                   rtol=1e-4, atol=1e-7)
+        assert json.loads(attr_str(f, "config"))["activations_every"] == 4
+
+
+class _Affine(torch.nn.Module):
+    def __init__(self, mean, std):
+        super().__init__()
+        self.mean, self.std = mean, std
+
+    def forward(self, x):
+        return x * self.std + self.mean
+
+
+@pytest.mark.parametrize("mean,std", [(10.0, 0.01), (1000.0, 1.0)])
+def test_activation_std_is_accurate_when_the_mean_dominates(tmp_path, mean, std):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), _Affine(mean, std))
+    outs = []
+    model[2].register_forward_hook(lambda m, a, o: outs.append(o.detach().double()))
+    with Recorder(model, tmp_path / "run") as rec:
+        model(torch.randn(256, 64)).sum().backward()
+        rec.step()
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        i = names(f["modules/name"]).index("2")
+        np.testing.assert_allclose(f["activations/mean"][0, i], outs[0].mean().item(), rtol=1e-5)
+        np.testing.assert_allclose(f["activations/std"][0, i], outs[0].std().item(), rtol=1e-3)
