@@ -26,6 +26,8 @@ class RecorderConfig:
     # collector's object list: every 50 steps at most, and less often if a census would take more
     # than 1% of the training time (it walks every Python object: ~10-100 ms).
     census_every: int = 50
+    # Share of the training time the census may take; sparser than census_every if needed.
+    census_budget: float = 0.01
     # The writer thread writes and flushes the file at least this often (seconds). A job killed
     # by SIGKILL loses at most this much.
     flush_every_s: float = 5.0
@@ -43,6 +45,8 @@ class RecorderConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Recorder option {f} must be a positive integer, got {v!r}")
+        if not 0 < self.census_budget <= 1:
+            raise ValueError(f"Recorder option census_budget must be in (0, 1], got {self.census_budget!r}")
         if not self.flush_every_s > 0:
             raise ValueError(f"Recorder option flush_every_s must be > 0, got {self.flush_every_s!r}")
 

@@ -326,9 +326,9 @@ class Recorder:
         times = self._step_times[-21:]
         self._step_times = times
         gap = self.config.census_every
-        if len(times) > 1:  # keep the census near 1% of the time of a step
+        if len(times) > 1:  # keep the census near census_budget (1%) of the time of a step
             step_s = (times[-1] - times[0]) / (len(times) - 1)
-            gap = max(gap, int(cost / (0.01 * max(step_s, 1e-9))) + 1)
+            gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
         self._next_census = step + gap
         return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}
 

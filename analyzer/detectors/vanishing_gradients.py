@@ -79,7 +79,8 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         "early_grad_rms": {names[j]: float(med[j]) for j in range(early.stop)},
         "late_grad_rms": {names[j]: float(med[j]) for j in range(late.start, late.stop)},
     }
-    summary = (f"Gradients of the early layers are {1 / ratio:.3g}x smaller than those of the late "
+    factor = f"{1 / ratio:.3g}x smaller than" if ratio > 0 else "zero, unlike"
+    summary = (f"Gradients of the early layers are {factor} those of the late "
                f"layers (gradient RMS {early_min:.3g} in {where[0]} vs median {late_med:.3g} in the "
                f"last layers, steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}); "
                f"below the {cfg.ratio:g} ratio since step {int(rt.step_index[step_i])}.")

@@ -1,0 +1,166 @@
+"""dead_relu, attention_collapse and memory_leak on small real runs made in the test."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchautopsy import Recorder, load
+from torchautopsy.analyzer.run import analyze
+
+
+class FunctionalMLP(nn.Module):
+    """ReLU called with F.relu inside forward (no nn.ReLU module), or LeakyReLU/GELU."""
+
+    def __init__(self, act="relu", dead_bias=None):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        self.act = act
+        if dead_bias is not None:
+            with torch.no_grad():
+                self.fc1.bias.fill_(dead_bias)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.act == "relu":
+            h = F.relu(h)
+        elif self.act == "leaky":
+            h = F.leaky_relu(h, 0.02)
+        else:
+            h = F.gelu(h)
+        return self.out(F.relu(self.fc2(h)))
+
+
+def train(run_dir, model, steps=100, lr=0.01, each_step=None, batch=32):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, run_dir) as rec:
+        for step in range(steps):
+            x = torch.randn(batch, 8, generator=g)
+            loss = (model(x) - x[:, :1]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if each_step:
+                each_step(step, model)
+            rec.step(loss=loss)
+    return analyze(load(run_dir))
+
+
+def of_kind(findings, kind):
+    return [f for f in findings if f.kind == kind]
+
+
+def test_dead_from_the_start_with_functional_relu(tmp_path):
+    torch.manual_seed(0)
+    findings = train(tmp_path, FunctionalMLP("relu", dead_bias=-50.0))
+    (f,) = [f for f in of_kind(findings, "dead_relu") if f.evidence["units"] == 32
+            and f.evidence["dead_share"] == 1.0]
+    assert f.severity == "error" and f.where == [""]  # F.relu in the model's own forward
+    assert f.evidence["dead_since_start"] == 32 and f.evidence["died_during_training"] == 0
+    assert f.step == 0 and "F.relu call 0" in f.summary
+
+
+def test_leaky_relu_units_stuck_negative_note_the_slope(tmp_path):
+    torch.manual_seed(0)
+    findings = train(tmp_path, FunctionalMLP("leaky", dead_bias=-50.0), lr=1e-4)
+    (f,) = [f for f in of_kind(findings, "dead_relu") if f.evidence["activation"] == "LeakyReLU"]
+    assert f.severity == "warning" and f.evidence["negative_slope"] == 0.02
+    assert "0.02" in f.summary
+
+
+def test_healthy_gelu_and_relu_nets_have_no_dead_layers(tmp_path):
+    for i, act in enumerate(("relu", "gelu")):
+        torch.manual_seed(0)
+        findings = train(tmp_path / act, FunctionalMLP(act))
+        assert of_kind(findings, "dead_relu") == [], [f.summary for f in findings]
+
+
+def test_units_that_die_during_training_are_dated(tmp_path):
+    # At step 60 a huge negative bias update kills every unit of fc1 (as a bad LR spike would).
+    def kill(step, model):
+        if step == 60:
+            with torch.no_grad():
+                model.fc1.bias.fill_(-50.0)
+
+    torch.manual_seed(0)
+    findings = train(tmp_path, FunctionalMLP("relu"), steps=150, each_step=kill)
+    (f,) = [f for f in of_kind(findings, "dead_relu") if f.evidence["dead_share"] == 1.0]
+    assert f.evidence["died_during_training"] > 0
+    assert 50 <= f.evidence["first_death_step"] <= 100  # the window after their last activity
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.layer(x)).mean(1)
+
+
+def test_attention_entropy_collapse_is_found_in_the_layer_that_collapsed(tmp_path):
+    # From step 40 the query/key projections grow by 30% a step (attention logits blowing up,
+    # as with a too-high learning rate): softmax rows go one-hot.
+    def grow(step, model):
+        if step >= 40:
+            with torch.no_grad():
+                model.layer.self_attn.in_proj_weight[:32].mul_(1.3)
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, tmp_path) as rec:
+        for step in range(100):
+            x = torch.randn(8, 12, 16, generator=g)
+            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            grow(step, model)
+            rec.step(loss=loss)
+    found = of_kind(analyze(load(tmp_path)), "attention_collapse")
+    entropy = [f for f in found if f.evidence["collapse"] == "entropy"]
+    assert entropy, [f.summary for f in found]
+    assert entropy[0].where == ["layer.self_attn"] and 40 <= entropy[0].step <= 80
+
+
+def test_healthy_transformer_attention_is_quiet(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, tmp_path) as rec:
+        for step in range(60):
+            x = torch.randn(8, 12, 16, generator=g)
+            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    trace = load(tmp_path)
+    assert len(trace.ranks[0].attention_sites) == 1  # captured inside TransformerEncoderLayer
+    assert [f for f in analyze(trace) if f.severity != "info"] == []
+
+
+def test_a_loss_kept_with_its_graph_is_a_leak_and_named_as_such(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    kept = []
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, tmp_path, census_every=10, census_budget=1.0) as rec:
+        for step in range(120):
+            x = torch.randn(256, 64, generator=g)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+            kept.append(loss)  # the classic: the loss tensor, graph and saved activations kept
+            rec.step(loss=loss)
+    (f,) = of_kind(analyze(load(tmp_path)), "memory_leak")
+    # 2 saved activations of 256x512 float32 per step: ~1 MiB
+    assert 0.5 * 2**20 < f.evidence["bytes_per_step"] < 4 * 2**20, f.evidence
+    assert f.evidence["live_tensors_with_graph_per_step"] >= 0.5
+    assert "losses.append(loss)" in f.advice
