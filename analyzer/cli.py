@@ -60,12 +60,60 @@ def _describe_run(trace: Trace) -> str:
             f"{rt0.wall_time_s:.1f} s")
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str | bytes) -> None:
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        if isinstance(text, bytes):
+            with open(path, "wb") as f:
+                f.write(text)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
     except OSError as e:
         raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _check_writable(*paths: str | None) -> None:
+    """The one-line error _write would give, for a folder that does not exist, given up front."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise InputError(f"cannot write {path}: {os.strerror(2)}")
+
+
+# A run with more (step x tensor) cells than this is long: its analysis shows progress even when
+# stderr is not a terminal (a CI log). TORCHAUTOPSY_PROGRESS=1 / =0 forces the bar on / off.
+LONG_RUN_CELLS = 50_000_000
+
+
+class _Progress:
+    """A progress bar on stderr (tqdm) for the parts of a long analysis; silent when disabled."""
+
+    def __init__(self, trace: Trace):
+        forced = os.environ.get("TORCHAUTOPSY_PROGRESS")
+        cells = sum(r.n_steps * max(len(r.param_names), 1) for r in trace.ranks.values())
+        self.enabled = forced == "1" or (forced != "0" and (sys.stderr.isatty() or cells > LONG_RUN_CELLS))
+        self.bar = None
+        self.offset = 0
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="torchautopsy", unit="part", file=sys.stderr, leave=False,
+                            mininterval=0.5, dynamic_ncols=True)
+        self.bar.total = self.offset + total
+        self.bar.n = self.offset + done
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.refresh()
+
+    def then(self, total: int) -> None:
+        """The next stage reports its own done/total; count them after what is done so far."""
+        self.offset = self.bar.n if self.bar is not None else 0
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -98,19 +146,28 @@ def main(argv=None) -> None:
 @click.argument("run_dir", type=click.Path())
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the findings as JSON.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
+@click.option("--pdf", "pdf_path", type=click.Path(dir_okay=False),
+              help="Write the same report as a paginated PDF (A4).")
 @click.option("--md", "md_path", type=click.Path(dir_okay=False), help="Write a short Markdown report for a ticket.")
 @click.option("--fail-on", type=click.Choice(["error", "warning", "info", "none"]), default="none",
               show_default=True, help="Exit with 1 when a finding of this severity or worse is found.")
 @click.option("--config", "config_path", type=click.Path(), metavar="FILE.toml",
               help="Detector thresholds to override: a TOML file with one table per detector kind, "
                    "e.g. [update_ratio] too_large = 0.2 (see analyzer/config.py for the settings).")
-def analyze(run_dir, json_path, html_path, md_path, fail_on, config_path):
+@click.option("--open", "open_html", is_flag=True,
+              help="Open the HTML report in a web browser (written to a temporary file without --html).")
+def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html):
     """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
     cfg = _load_config(config_path)
+    _check_writable(json_path, html_path, pdf_path, md_path)  # before a long analysis, not after
     trace = _load(run_dir)
+    progress = _Progress(trace)
     try:
+        progress(0, 1, "running the detectors")
         findings = run_detectors(trace, cfg)
+        progress(1, 1, "detectors done")
     except TraceError as e:
+        progress.close()
         raise InputError(str(e)) from None
 
     click.echo(f"torchautopsy: {trace.run_dir}: {_describe_run(trace)}")
@@ -136,18 +193,54 @@ def analyze(run_dir, json_path, html_path, md_path, fail_on, config_path):
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
         _write(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
         click.echo(f"wrote {json_path}")
-    if html_path or md_path:
-        from ..reports import render_html, render_markdown  # matplotlib/jinja only when asked
-
-        if html_path:
-            _write(html_path, render_html(trace, findings))
-            click.echo(f"wrote {html_path}")
-        if md_path:
-            _write(md_path, render_markdown(trace, findings))
-            click.echo(f"wrote {md_path}")
+    try:
+        _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress)
+    finally:
+        progress.close()
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
+
+
+def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress) -> None:
+    """Build the report once and write each format asked for; open the HTML if asked."""
+    if not (html_path or pdf_path or md_path or open_html):
+        return
+    # matplotlib, jinja and fpdf2 are imported only when a report is asked for
+    from ..reports import build_report, render_html, render_markdown, render_pdf
+
+    if html_path or pdf_path or open_html:
+        progress.then(0)
+        report = build_report(trace, findings, cfg, progress=progress)
+        if html_path or open_html:
+            html = render_html(report)
+            if not html_path:
+                html_path = _temporary_html(trace)
+            _write(html_path, html)
+            click.echo(f"wrote {html_path}")
+        if pdf_path:
+            progress.then(0)
+            progress(0, 1, "laying out the PDF")
+            _write(pdf_path, render_pdf(report))
+            click.echo(f"wrote {pdf_path}")
+    if md_path:
+        _write(md_path, render_markdown(trace, findings))
+        click.echo(f"wrote {md_path}")
+    if open_html:
+        import webbrowser
+
+        url = "file://" + os.path.abspath(html_path)
+        if not webbrowser.open(url):
+            click.echo(f"could not start a web browser; open {html_path} yourself")
+
+
+def _temporary_html(trace: Trace) -> str:
+    import tempfile
+
+    name = os.path.basename(os.path.normpath(trace.run_dir)) or "run"
+    fd, path = tempfile.mkstemp(prefix=f"torchautopsy-{name[:40]}-", suffix=".html")
+    os.close(fd)
+    return path
 
 
 def _finding_line(f: Finding) -> str:

@@ -53,6 +53,7 @@ class ActivityTracker:
         self.sites: dict[tuple[int, str, int], _Site] = {}
         self.step = 0
         self._window_start = 0
+        self._windows_done = 0
         self._bits = 0
         self._new_sites: list[dict] = []
 
@@ -81,7 +82,9 @@ class ActivityTracker:
                 if y.dim() == 0 or y.shape[site.unit_dim] != site.units:
                     return
                 dims = [d for d in range(y.dim()) if d != site.unit_dim]
-                alive = (y.amax(dim=dims) > 0) if dims else (y > 0)
+                top = y.amax(dim=dims) if dims else y
+                # NaN is not "never positive": a unit whose output went NaN is not dead.
+                alive = (top > 0) | torch.isnan(top)
                 site.mask = alive if site.mask is None else site.mask | alive
             elif fn in _SATURATING:
                 z = y.abs() if fn == "tanh" else (2 * y - 1).abs()
@@ -129,7 +132,11 @@ class ActivityTracker:
 
     # -- called at rec.step() ----------------------------------------------------------------
     def window_ends(self, step: int) -> bool:
-        return (step + 1 - self._window_start) >= self.window
+        """Windows grow 5, 10, 20, 40 steps, then `window` each: early deaths (a too-high
+        learning rate kills units within a few steps) are dated to within a few steps, and
+        'dead from the start' means never positive in the first 5 steps."""
+        length = min(self.window, 5 * 2 ** self._windows_done)
+        return (step + 1 - self._window_start) >= length
 
     def pack(self, pk: Packer) -> None:
         """Add the window's bits and counts to this step's one host transfer."""
@@ -162,7 +169,12 @@ class ActivityTracker:
         for s in sites:
             s.mask, s.saturated, s.numel, s.steps_seen = None, None, 0, 0
         self._window_start = step + 1
+        self._windows_done += 1
         return row
+
+    def has_open_window(self, step: int) -> bool:
+        """True if steps after the last written window were recorded (up to `step`)."""
+        return self._window_start <= step
 
     def take_new_sites(self) -> list[dict]:
         new, self._new_sites = self._new_sites, []

@@ -16,8 +16,9 @@ class RecorderConfig:
     # weights taken one step earlier, so it is sampled: one copy every 10 steps.
     update_ratio_every: int = 10
     # Per-unit activity of ReLU-family/GELU outputs (dead units) and saturation of tanh/sigmoid
-    # are accumulated on the device every step and written once per window of this many steps.
-    # 50 steps: a unit that fired once in 50 batches is alive; 1,000 steps give 20 windows.
+    # are accumulated on the device every step and written once per window: windows of 5, 10,
+    # 20 and 40 steps first (deaths early in training are dated closely), then of this many.
+    # 50 steps: a unit that fired once in 50 batches is alive; 1,000 steps give ~20 windows.
     activity_window: int = 50
     # Attention entropy/max weight/sink share per head, on sampled steps (each costs a second
     # softmax over a 4-sequence slice of the batch, so it is sampled like activations).

@@ -23,6 +23,10 @@ class ModuleWatcher:
         self.names = [name for name, _ in model.named_modules()]
         self.types = [type(m).__name__ for _, m in model.named_modules()]
         self.is_leaf = [len(list(m.children())) == 0 for _, m in model.named_modules()]
+        # Modules computing with their own weights (Linear, Conv, ...): a -Inf they output is an
+        # overflow; elsewhere -Inf alone is how masks are written (see finish_step).
+        self.has_weights = np.array([any(True for _ in m.parameters(recurse=False))
+                                     for _, m in model.named_modules()], dtype=bool)
         self.modules = [m for _, m in model.named_modules()]
         self._on_error = on_error
         # Which module's forward is running, innermost last, with per-forward call counters:
@@ -139,8 +143,11 @@ class ModuleWatcher:
         mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
         absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
         # A tensor carries a fault if it holds NaN or +Inf. -Inf alone is how attention masks
-        # and log-probabilities of impossible events are written: not a fault, in or out.
+        # and log-probabilities of impossible events are written: not a fault as an input, nor
+        # as the output of a module without weights (a mask builder); from a module with its own
+        # weights (a Linear overflowing) it is one.
         bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
+        neg_inf = mins == -np.inf
         out_absmax = np.full(n_modules, -1.0)  # -1: not called this step
         origin, first_bad, batch_bad = -1, -1, False
         for module, ins, outs in self._calls:
@@ -150,7 +157,7 @@ class ModuleWatcher:
             in_bad = bool(ins) and bad[ins].any()
             if module == 0 and in_bad:
                 batch_bad = True
-            if bad[outs].any():
+            if bad[outs].any() or (self.has_weights[module] and neg_inf[outs].any()):
                 if first_bad < 0:
                     first_bad = module
                 if origin < 0 and not in_bad:

@@ -367,7 +367,7 @@ class Recorder:
 
     def _final_window(self) -> None:
         """Write the activity of the last, partial window (a short run gets one too)."""
-        if self.activity is None or self._step == 0 or self.activity._window_start >= self._step:
+        if self.activity is None or self._step == 0 or not self.activity.has_open_window(self._step - 1):
             return
         pk = Packer()
         with torch.no_grad():

@@ -151,7 +151,9 @@ class TraceWriter:
 
         # Create the whole layout up front, in the caller's thread, so that a bad path fails
         # loudly at Recorder() and the file is complete (if empty) before training starts.
-        self._f = h5py.File(path, "w", libver="latest")
+        # A small chunk cache: rows are appended, so only the last chunk of each dataset is
+        # hot; HDF5's default (1 MiB per dataset) grew the job's memory by ~26 MiB (measured).
+        self._f = h5py.File(path, "w", libver="latest", rdcc_nbytes=64 * 1024)
         set_attrs(self._f, attrs)
         for group, datasets in static.items():
             g = self._f.require_group(group)

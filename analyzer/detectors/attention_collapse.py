@@ -15,6 +15,8 @@ similarity of the heads' maps. Three collapses, each judged per layer on the las
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..config import AttentionCollapseConfig
@@ -55,7 +57,8 @@ def detect(rt: RankTrace, cfg: AttentionCollapseConfig) -> list[Finding]:
         snk = sink.iloc[:, cols].to_numpy(dtype=float)
         mw = maxw.iloc[:, cols].to_numpy(dtype=float)
         sm = sim.iloc[:, j].to_numpy(dtype=float)
-        with np.errstate(all="ignore"):
+        with warnings.catch_warnings():  # rows with every head NaN (one allowed key) give NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
             mean_ent = np.nanmean(ent, axis=1) if ent.size else np.full(len(steps), np.nan)
         conditions = {
             "entropy": (mean_ent < cfg.entropy) & _was_above(mean_ent, cfg.entropy),

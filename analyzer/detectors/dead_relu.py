@@ -49,6 +49,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     spans = [(int(o), int(o + u)) for o, u in zip(sites["bit_offset"], sites["units"])]
     ever_alive = [np.zeros(b - a, dtype=bool) for a, b in spans]
     last_alive_end = [np.full(b - a, -1, dtype=np.int64) for a, b in spans]
+    last_alive_start = [np.full(b - a, -1, dtype=np.int64) for a, b in spans]
     first_cross: list[int | None] = [None] * len(spans)
     latest = None
     n_windows = 0
@@ -63,6 +64,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
                 continue
             alive = bits[a:b]
             last_alive_end[j][alive] = end
+            last_alive_start[j][alive] = start
             ever_alive[j] |= alive
             dead_share = 1.0 - alive.mean()
             judged.append((alive, dead_share))
@@ -100,6 +102,9 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
             "dead_since_start": int(from_init.sum()),
             "died_during_training": int(died.sum()),
             "first_death_step": int(died_at.min()) if died.any() else None,
+            # a unit is known to have fired somewhere in its last active window only
+            "first_death_between": ([int(last_alive_start[j][died].min()), int(died_at.min())]
+                                    if died.any() else None),
             "median_death_step": int(np.median(died_at)) if died.any() else None,
             "unit_dim": int(row.unit_dim),
         }
@@ -114,7 +119,9 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         if from_init.any():
             parts.append(f"{int(from_init.sum())} since the start")
         if died.any():
-            parts.append(f"{int(died.sum())} died during training, the first at step {int(died_at.min())}")
+            lo = int(last_alive_start[j][died].min())
+            parts.append(f"{int(died.sum())} died during training, the first between steps {lo} "
+                         f"and {int(died_at.min())}")
         summary += f": {', '.join(parts)}." if parts else "."
         if fn == "leaky_relu":
             summary += f" Their gradient is scaled by the slope {row.param:g}."

@@ -87,8 +87,7 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     tail_slope = np.polyfit(x[tail:], v[tail:], 1)[0] if len(v) - tail >= 3 else 0.0
     if r2 < cfg.min_r2 or tail_slope < cfg.min_tail_slope_share * slope or slope <= 0:
         return None
-    rise = np.flatnonzero(v > base + 0.05 * growth)
-    begin = int(x[rise[0]]) if rise.size else int(x[0])
+    begin = _onset(steps.astype(float), y, start, slope, intercept, v - fit, growth)
     evidence = {
         "series": column,
         "bytes_per_step": float(slope),
@@ -108,6 +107,19 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     return Finding(KIND, "warning", begin, [], summary.strip(), evidence, advice)
 
 
+def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
+    """The step the leak began: walking back from the end of the warm-up, the earliest step
+    from which the fitted line still explains the memory (a leak from the first step is dated
+    there; warm-up growth or a flat stretch before the leak stops the walk)."""
+    tol = max(3.0 * float(np.std(resid)), 0.02 * growth)
+    begin = start
+    for t in range(start - 1, -1, -1):
+        if not np.isfinite(y_all[t]) or abs(y_all[t] - (slope * x_all[t] + intercept)) > tol:
+            break
+        begin = t
+    return int(x_all[begin])
+
+
 def _census(rt, steps, evidence) -> tuple[str, str]:
     """What the live-tensor census says about the cause, and the matching advice."""
     df = rt.steps
@@ -117,12 +129,10 @@ def _census(rt, steps, evidence) -> tuple[str, str]:
     # Every census counts (also in the warm-up): the census is sparse, and what a leak adds per
     # step shows from the first step on.
     sel = n >= 0
-    if sel.sum() < 3:
+    if sel.sum() < 2:
         return ("No tensor census covers the growth (it runs every census_every steps).", _ADVICE_OTHER)
     xs = steps[sel].astype(float)
-    n_slope = float(np.polyfit(xs, n[sel], 1)[0])
-    g_slope = float(np.polyfit(xs, g[sel], 1)[0])
-    b_slope = float(np.polyfit(xs, b[sel], 1)[0])
+    n_slope, g_slope, b_slope = (float(np.polyfit(xs, a[sel], 1)[0]) for a in (n, g, b))
     evidence.update({
         "census_steps": int(sel.sum()),
         "live_tensors": [int(n[sel][0]), int(n[sel][-1])],
