@@ -196,18 +196,23 @@ class RankTrace:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
         return {c: self._read(f"{table}/{c}", n) for c in cols}
 
+    def _sites(self, table: str, cols: tuple[str, ...], text: str) -> pd.DataFrame:
+        """A site table with its text column decoded and module indices turned into names
+        (``module``), the index kept as ``module_index``."""
+        t = self._table(table, cols)
+        df = pd.DataFrame({c: t[c] for c in cols})
+        df[text] = [v.decode() if isinstance(v, bytes) else str(v) for v in df[text]]
+        df["module_index"] = df["module"].astype(int)
+        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
+                        for i in df["module_index"]]
+        return df
+
     @cached_property
     def activity_sites(self) -> pd.DataFrame:
         """Activation-function call sites: module (name), function, call, param, unit_dim,
         units, bit_offset, first_step. One row per site, in the order they were first seen."""
         cols = ("module", "function", "call", "param", "unit_dim", "units", "bit_offset", "first_step")
-        t = self._table("activity_sites", cols)
-        df = pd.DataFrame({c: t[c] for c in cols})
-        df["function"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["function"]]
-        df["module_index"] = df["module"].astype(int)
-        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
-                        for i in df["module_index"]]
-        return df
+        return self._sites("activity_sites", cols, "function")
 
     def activity_windows(self):
         """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
@@ -226,13 +231,7 @@ class RankTrace:
     def attention_sites(self) -> pd.DataFrame:
         """Attention call sites: module (name), source, call, heads, head_offset, first_step."""
         cols = ("module", "source", "call", "heads", "head_offset", "first_step")
-        t = self._table("attention_sites", cols)
-        df = pd.DataFrame({c: t[c] for c in cols})
-        df["source"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["source"]]
-        df["module_index"] = df["module"].astype(int)
-        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
-                        for i in df["module_index"]]
-        return df
+        return self._sites("attention_sites", cols, "source")
 
     def attention_stat(self, stat: str) -> pd.DataFrame:
         """Sampled steps x heads ("module/h0", ...) for entropy, max_weight, sink_share; steps x
