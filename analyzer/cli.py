@@ -85,14 +85,14 @@ LONG_RUN_CELLS = 50_000_000
 
 
 class _Progress:
-    """A progress bar on stderr (tqdm) for the parts of a long analysis; silent when disabled."""
+    """A progress bar on stderr (tqdm) for a long stage of the analysis; silent when disabled.
+    ``progress(done, total, what)`` moves it; ``close()`` clears it before anything is printed."""
 
     def __init__(self, trace: Trace):
         forced = os.environ.get("TORCHAUTOPSY_PROGRESS")
         cells = sum(r.n_steps * max(len(r.param_names), 1) for r in trace.ranks.values())
         self.enabled = forced == "1" or (forced != "0" and (sys.stderr.isatty() or cells > LONG_RUN_CELLS))
         self.bar = None
-        self.offset = 0
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if not self.enabled:
@@ -102,18 +102,15 @@ class _Progress:
 
             self.bar = tqdm(total=total, desc="torchautopsy", unit="part", file=sys.stderr, leave=False,
                             mininterval=0.5, dynamic_ncols=True)
-        self.bar.total = self.offset + total
-        self.bar.n = self.offset + done
+        self.bar.total = total
+        self.bar.n = done
         self.bar.set_postfix_str(what, refresh=False)
         self.bar.refresh()
-
-    def then(self, total: int) -> None:
-        """The next stage reports its own done/total; count them after what is done so far."""
-        self.offset = self.bar.n if self.bar is not None else 0
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -165,10 +162,10 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     try:
         progress(0, 1, "running the detectors")
         findings = run_detectors(trace, cfg)
-        progress(1, 1, "detectors done")
     except TraceError as e:
-        progress.close()
         raise InputError(str(e)) from None
+    finally:
+        progress.close()
 
     click.echo(f"torchautopsy: {trace.run_dir}: {_describe_run(trace)}")
     for rt in trace.ranks.values():
@@ -193,39 +190,41 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
         _write(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
         click.echo(f"wrote {json_path}")
-    try:
-        _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress)
-    finally:
-        progress.close()
+    _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress)
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
 
 
 def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress) -> None:
-    """Build the report once and write each format asked for; open the HTML if asked."""
+    """Build the report once, render each format asked for, then write them; open the HTML if asked."""
     if not (html_path or pdf_path or md_path or open_html):
         return
     # matplotlib, jinja and fpdf2 are imported only when a report is asked for
     from ..reports import build_report, render_html, render_markdown, render_pdf
 
+    outputs: list[tuple[str, str | bytes]] = []
     if html_path or pdf_path or open_html:
-        progress.then(0)
-        report = build_report(trace, findings, cfg, progress=progress)
-        if html_path or open_html:
-            html = render_html(report)
-            if not html_path:
-                html_path = _temporary_html(trace)
-            _write(html_path, html)
-            click.echo(f"wrote {html_path}")
-        if pdf_path:
-            progress.then(0)
-            progress(0, 1, "laying out the PDF")
-            _write(pdf_path, render_pdf(report))
-            click.echo(f"wrote {pdf_path}")
+        if open_html and not html_path:
+            html_path = _temporary_html(trace)
+        extra = bool(html_path) + bool(pdf_path)  # rendering steps after the build
+        try:
+            report = build_report(trace, findings, cfg,
+                                  progress=lambda done, total, what: progress(done, total + extra, what))
+            n = progress.bar.total - extra if progress.bar is not None else 0
+            if html_path:
+                progress(n, n + extra, "writing the HTML")
+                outputs.append((html_path, render_html(report)))
+            if pdf_path:
+                progress(n + bool(html_path), n + extra, "laying out the PDF")
+                outputs.append((pdf_path, render_pdf(report)))
+        finally:
+            progress.close()
     if md_path:
-        _write(md_path, render_markdown(trace, findings))
-        click.echo(f"wrote {md_path}")
+        outputs.append((md_path, render_markdown(trace, findings)))
+    for path, content in outputs:
+        _write(path, content)
+        click.echo(f"wrote {path}")
     if open_html:
         import webbrowser
 
@@ -247,7 +246,7 @@ def _finding_line(f: Finding) -> str:
     where = ", ".join(w or "(model)" for w in f.where[:3]) or "-"
     step = f"step {f.step:,}" if f.step is not None else "-"
     rank = f"rank {f.rank}" if f.rank is not None else ""
-    head = f"  {f.severity.upper():8} {f.kind:20} {rank:7} {step:12} {where}"
+    head = f"  {f.severity.upper():8} {f.kind:22} {rank:7} {step:12} {where}"
     return f"{head}\n      {f.summary}"
 
 
@@ -278,6 +277,11 @@ def info(run_dir):
                    f"outputs every step; activation statistics at {n_act} steps (every "
                    f"{cfg.get('activations_every', '?')}); update ratios at {n_upd} steps (every "
                    f"{cfg.get('update_ratio_every', '?')})")
+        pw = rt.profile_windows
+        if len(pw):
+            spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
+            click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
+                       f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
         if m.get("dropped_steps"):
             click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
         click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
@@ -285,6 +289,36 @@ def info(run_dir):
                    f"torch {m.get('torch_version', '?')}, python {m.get('python_version', '?')}")
     for path, reason in trace.unreadable.items():
         click.echo(f"\nunreadable     {reason}")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+              help="Write a torch.profiler window as a Chrome trace (opens in Perfetto, chrome://tracing).")
+@click.option("--window", type=int, default=0, show_default=True, help="Which profiler window.")
+@click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
+def export(run_dir, profile_path, window, rank):
+    """Export data recorded in RUN_DIR in the formats other tools read."""
+    if not profile_path:
+        raise click.UsageError("nothing to export: give --profile OUT.json")
+    trace = _load(run_dir)
+    if rank is None:
+        rank = next(iter(trace.ranks))
+    if rank not in trace.ranks:
+        raise InputError(f"{run_dir} has no rank {rank} (ranks: {', '.join(map(str, trace.ranks))})")
+    try:
+        data = trace.ranks[rank].profile_trace(window)
+    except TraceError as e:
+        raise InputError(str(e)) from None
+    try:
+        with open(profile_path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise InputError(f"cannot write {profile_path}: {e.strerror or e}") from None
+    w = trace.ranks[rank].profile_windows
+    row = w[w["window"] == window].iloc[0]
+    click.echo(f"wrote {profile_path}: profiler window {window} of rank {rank}, steps "
+               f"{int(row['step_start'])}-{int(row['step_end'])} ({len(data) / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -184,6 +184,28 @@ class MemoryLeakConfig:
 
 
 @dataclass(frozen=True)
+class DataloaderBottleneckConfig:
+    # Share of the step's wall time spent waiting for the next batch (median over the run after
+    # `skip_steps`). A healthy input pipeline keeps the GPU/CPU fed with a few percent of wait;
+    # PyTorch's performance tuning guide and HTA's idle-time analysis treat a data-bound step as
+    # the first thing to fix. 30% (our measurement: the healthy sample traces wait under 5%).
+    share: float = 0.3
+    skip_steps: int = 5  # the first batches wait for worker start-up
+    min_steps: int = 20
+
+
+@dataclass(frozen=True)
+class SlowStepsConfig:
+    # A step slower than this many times the median step, and by at least `min_excess_s`, is an
+    # outlier worth a look (below 50 ms, OS scheduling and garbage collection on a shared
+    # machine make millisecond steps jitter by several times; measured on this project's CI).
+    ratio: float = 3.0
+    min_excess_s: float = 0.05
+    min_steps: int = 20
+    max_listed: int = 10
+
+
+@dataclass(frozen=True)
 class AnalysisConfig:
     exploding_gradients: ExplodingGradientsConfig = field(default_factory=ExplodingGradientsConfig)
     vanishing_gradients: VanishingGradientsConfig = field(default_factory=VanishingGradientsConfig)
@@ -194,3 +216,5 @@ class AnalysisConfig:
     dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)
     attention_collapse: AttentionCollapseConfig = field(default_factory=AttentionCollapseConfig)
     memory_leak: MemoryLeakConfig = field(default_factory=MemoryLeakConfig)
+    dataloader_bottleneck: DataloaderBottleneckConfig = field(default_factory=DataloaderBottleneckConfig)
+    slow_steps: SlowStepsConfig = field(default_factory=SlowStepsConfig)

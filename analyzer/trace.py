@@ -11,7 +11,7 @@ It never imports torch, never unpickles, and never executes anything from a trac
 
 from __future__ import annotations
 
-import glob
+import gzip
 import json
 import os
 import re
@@ -142,10 +142,13 @@ class RankTrace:
         cols = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite")
         data = {c: self._read(f"steps/{c}", self.n_steps) for c in cols}
-        census = self._table("steps", ("live_tensors", "live_tensor_bytes", "live_tensors_with_graph")) \
-            if self._has("steps/live_tensors") else {}
-        for c in ("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"):
-            data[c] = census[c][: self.n_steps] if c in census else np.full(self.n_steps, -1, dtype=np.int64)
+        # Columns added to schema 1 after its first traces: absent ones read as "not measured".
+        for group, missing in ((("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
+                               (("data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan)):
+            have = self._has(f"steps/{group[0]}")
+            table = self._table("steps", group) if have else {}
+            for c in group:
+                data[c] = table[c][: self.n_steps] if have else np.full(self.n_steps, missing)
         return pd.DataFrame(data, index=pd.Index(self.step_index, name="step"))
 
     def param_stat(self, stat: str) -> pd.DataFrame:
@@ -251,6 +254,40 @@ class RankTrace:
         if data.shape[1] < width:  # rows written before later sites were seen
             data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
         return self._frame(data[:, :width], t["step"], cols)
+
+    @cached_property
+    def profile_windows(self) -> pd.DataFrame:
+        """torch.profiler windows: window, step_start, step_end, trace_offset, trace_nbytes."""
+        cols = ("window", "step_start", "step_end", "trace_offset", "trace_nbytes")
+        return pd.DataFrame(self._table("profile_windows", cols))
+
+    def profile_ops(self, window: int | None = None) -> pd.DataFrame:
+        """Operators of one profiler window (or all, with a ``window`` column), slowest first:
+        name, calls, cpu_self_us, cpu_total_us, device_self_us, device_total_us, memory."""
+        cols = ("window", "name", "calls", "cpu_self_us", "cpu_total_us", "device_self_us",
+                "device_total_us", "cpu_memory_bytes", "device_memory_bytes")
+        df = pd.DataFrame(self._table("profile_ops", cols))
+        df["name"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["name"]]
+        if window is not None:
+            df = df[df["window"] == window]
+        return df.sort_values(["window", "cpu_self_us"], ascending=[True, False]).reset_index(drop=True)
+
+    def profile_trace(self, window: int) -> bytes:
+        """The Chrome trace (JSON bytes, as torch.profiler exported it) of one window."""
+        w = self.profile_windows
+        row = w[w["window"] == window]
+        if row.empty:
+            known = ", ".join(str(int(x)) for x in w["window"]) or "none"
+            raise TraceFormatError(f"{self.path} has no profiler window {window} (windows: {known})")
+        off, n = int(row["trace_offset"].iloc[0]), int(row["trace_nbytes"].iloc[0])
+        try:
+            with _open(self.path) as f:
+                data = f["blobs/bytes"][off:off + n].tobytes()
+            if len(data) != n:
+                raise ValueError(f"{len(data)} of {n} bytes present")
+            return gzip.decompress(data)
+        except (KeyError, OSError, ValueError, EOFError) as e:
+            raise TraceFormatError(f"{self.path}: profiler window {window} cannot be read ({e})") from None
 
     @cached_property
     def total_grad_norm(self) -> pd.Series:

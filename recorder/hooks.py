@@ -9,6 +9,7 @@ the common case (a chain of modules) inputs cost nothing.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import numpy as np
@@ -39,6 +40,8 @@ class ModuleWatcher:
             self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._make_hook(i)))
         self.sample_activations = False
+        self.t_forward_start: float | None = None
+        self.t_forward_end: float | None = None
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
@@ -55,6 +58,12 @@ class ModuleWatcher:
         """Index of the module whose forward returned tensor x this step, or -1."""
         hit = self._producers.get(id(x))
         return hit[1] if hit is not None and hit[0]() is x else -1
+
+    def take_times(self) -> tuple[float | None, float | None]:
+        """(start of the step's first forward, end of its last), perf_counter seconds."""
+        times = (self.t_forward_start, self.t_forward_end)
+        self.t_forward_start = self.t_forward_end = None
+        return times
 
     def _reset(self) -> None:
         self.stack = []
@@ -91,6 +100,8 @@ class ModuleWatcher:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
+            if index == 0 and self.t_forward_start is None:
+                self.t_forward_start = time.perf_counter()
             # Inputs are checked before the forward runs: a module that writes NaN into its
             # input in place (x.mul_(nan)) must be seen receiving finite inputs.
             ins = None
@@ -106,6 +117,8 @@ class ModuleWatcher:
 
     def _make_hook(self, index: int):
         def hook(module, args, output):
+            if index == 0:
+                self.t_forward_end = time.perf_counter()
             # Pop this module's frame (and any left by a forward that raised inside it).
             frame = None
             while self.stack:

@@ -24,6 +24,7 @@ from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
+from .profiler import ProfilerWindows
 from .stats import Packer
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -93,7 +94,9 @@ class Recorder:
         self.writer = None
         self.activity = None
         self.attention = None
+        self.profiler = None
         self._next_census = 0
+        self._t_step_end: float | None = None
         self._step_times: list[float] = []
 
         named = list(model.named_parameters())
@@ -157,10 +160,13 @@ class Recorder:
             queue_size=self.config.queue_size,
         )
         self.activity = ActivityTracker(self.watcher, self.config.activity_window)
+        self.profiler = ProfilerWindows(self.config.profile_first, self.config.profile_steps,
+                                        self.config.profile_every, self._device)
         self.attention = AttentionTracker(self.watcher, self._fail)
         functional.attach(self)
         self._active = True
         self._set_schedule(0)
+        self.profiler.begin(0)
 
     def _install_signal_handlers(self) -> None:
         if not self.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
@@ -210,16 +216,20 @@ class Recorder:
         """Mark the end of one training iteration (call it after ``optimizer.step()``)."""
         if self._active:
             try:
-                self._record_step(loss)
+                self._record_step(loss, time.perf_counter())
             except Exception as e:
                 self._fail(e)
         self._step += 1
         if self._active:
             self._set_schedule(self._step)
+            try:
+                self.profiler.begin(self._step)
+            except Exception as e:
+                self._fail(e)
         if self.writer is not None and self.writer.error is not None and self._active:
             self._fail(self.writer.error)
 
-    def _record_step(self, loss) -> None:
+    def _record_step(self, loss, t_called: float) -> None:
         step = self._step
         cfg = self.config
         pk = Packer()
@@ -311,7 +321,24 @@ class Recorder:
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["steps"].update(self._census(step))
+        rows["steps"].update(self._timing(t_called))
         self.writer.put(rows)
+        task = self.profiler.end(step)
+        if task is not None:
+            self.writer.put_task(task)
+
+    def _timing(self, t_called: float) -> dict:
+        """Split the step's wall time; NaN where a phase was not seen (no forward, first step)."""
+        t_fwd, t_fwd_end = self.watcher.take_times()
+        nan = float("nan")
+        prev = self._t_step_end
+        self._t_step_end = time.perf_counter()
+        return {
+            "data_wait_s": t_fwd - prev if (t_fwd is not None and prev is not None) else nan,
+            "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else nan,
+            "backward_s": t_called - t_fwd_end if t_fwd_end is not None else nan,
+            "recorder_s": self._t_step_end - t_called,
+        }
 
     def _census(self, step: int) -> dict:
         """Live tensor census on a sparse schedule that keeps its cost near 1% of training."""
@@ -359,6 +386,8 @@ class Recorder:
             pass
 
     def _unhook(self) -> None:
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.abort()
         functional.detach(self)
         if self.attention is not None:
             self.attention.remove()

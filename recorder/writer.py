@@ -55,6 +55,13 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("cuda_allocated_bytes", "i8"),
             Column("cuda_reserved_bytes", "i8"),
             Column("cuda_peak_bytes", "i8"),
+            # Where the step's wall time went (host clock): waiting for data (from the end of
+            # the previous rec.step() to this step's first forward), forward, backward plus
+            # optimizer (to this rec.step() call), and the recorder's own work in rec.step().
+            Column("data_wait_s", "f4"),
+            Column("forward_s", "f4"),
+            Column("backward_s", "f4"),
+            Column("recorder_s", "f4"),
             Column("nonfinite_origin", "i4"),
             Column("batch_nonfinite", "i1"),
             # Census of live tensors, every `census_every` steps (-1 on other steps).
@@ -97,6 +104,25 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("ever_positive", "u1", GROWS),  # bits (little-endian per byte), one per unit
             Column("saturated_frac", "f4", GROWS),  # per site: share of saturated outputs
         ],
+        # torch.profiler windows (profiler.py); the gzipped Chrome trace of each is in blobs/.
+        "profile_windows": [
+            Column("window", "i4"),
+            Column("step_start", "i8"),
+            Column("step_end", "i8"),
+            Column("trace_offset", "i8"),  # into blobs/bytes
+            Column("trace_nbytes", "i8"),
+        ],
+        "profile_ops": [  # one row per operator (torch.profiler key_averages) per window
+            Column("window", "i4"),
+            Column("name", "str"),
+            Column("calls", "i8"),
+            Column("cpu_self_us", "f8"),
+            Column("cpu_total_us", "f8"),
+            Column("device_self_us", "f8"),
+            Column("device_total_us", "f8"),
+            Column("cpu_memory_bytes", "i8"),
+            Column("device_memory_bytes", "i8"),
+        ],
         "attention_sites": [
             Column("module", "i4"),
             Column("source", "str"),  # MultiheadAttention or scaled_dot_product_attention
@@ -126,6 +152,7 @@ def _chunk_rows(width: int, itemsize: int) -> int:
 
 _STOP = object()
 _FLUSH = object()
+_TASK = object()
 _ABANDONED: list = []  # files whose writes failed: never closed (see TraceWriter._run)
 _MARGIN = 2 * 2**20  # bytes kept free beyond the worst case of one write
 
@@ -144,6 +171,7 @@ class TraceWriter:
         self.write_every = write_every_steps
         self.dropped = 0  # steps dropped because the queue was full
         self.error: BaseException | None = None
+        self._task_warned = False
         self._closed = False
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._buf: dict[str, list[dict]] = {t: [] for t in tables}
@@ -168,6 +196,9 @@ class TraceWriter:
             self._ds[table] = {}
             for c in cols:
                 self._ds[table][c.name] = self._create(g, c)
+        # Variable-length binary data (gzipped profiler traces), appended; tables hold offsets.
+        self._blobs = self._f.create_dataset("blobs/bytes", shape=(0,), maxshape=(None,), dtype="u1",
+                                             chunks=(64 * 1024,))
         self._f.flush()
         self._f.swmr_mode = True
         self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
@@ -195,6 +226,22 @@ class TraceWriter:
             self._q.put_nowait((None, rows))
         except queue.Full:
             self.dropped += 1
+
+    def put_task(self, task) -> None:
+        """Queue work for the writer thread: task(writer) returns rows like put() takes. A
+        failing task warns and is skipped; it does not stop the writer."""
+        try:
+            self._q.put_nowait((_TASK, task))
+        except queue.Full:
+            self.dropped += 1
+
+    def append_blob(self, data: np.ndarray) -> int:
+        """Writer thread only: append bytes to blobs/bytes, return their offset."""
+        n0 = self._blobs.shape[0]
+        self._check_room_bytes(data.size)
+        self._blobs.resize(n0 + data.size, axis=0)
+        self._blobs[n0:] = data
+        return n0
 
     def flush(self, timeout: float = 30.0) -> None:
         """Write and flush everything queued so far; returns when done (or after timeout)."""
@@ -237,6 +284,8 @@ class TraceWriter:
                     last_flush = time.monotonic()
                     row.set()
                     continue
+                if table is _TASK:
+                    row = self._run_task(row)
                 if row is not None:
                     for t, r in row.items():
                         if isinstance(r, list):
@@ -276,6 +325,18 @@ class TraceWriter:
                 if table is _STOP:
                     return
 
+    def _run_task(self, task) -> dict | None:
+        try:
+            return task(self)
+        except NoRoomError:
+            raise
+        except Exception as e:
+            if not self._task_warned:
+                self._task_warned = True
+                warnings.warn(f"torchautopsy: a sampled probe could not be stored ({e!r}); "
+                              "per-step recording goes on", RuntimeWarning)
+            return None
+
     def _write_all(self) -> None:
         for table in self._buf:
             self._write_table(table)
@@ -290,6 +351,10 @@ class TraceWriter:
             chunk = int(np.prod(ds.chunks)) * ds.dtype.itemsize if ds.chunks else 0
             row = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize if ds.ndim > 1 else 16
             need += rows * row + chunk
+        self._check_room_bytes(need - _MARGIN)
+
+    def _check_room_bytes(self, nbytes: int) -> None:
+        need = nbytes + _MARGIN
         free = _free_bytes(self.path)
         if free < need:
             raise NoRoomError(f"disk nearly full: {free / 2**20:.1f} MiB left for {self.path}, "

@@ -1,8 +1,10 @@
 """The detector registry: an explicit tuple. Each detector module has KIND, REQUIRES and
 ``detect(rank_trace, cfg) -> list[Finding]``, a pure function over a read-only trace."""
 
-from . import (attention_collapse, dead_relu, exploding_gradients, loss_divergence, loss_plateau,
-               memory_leak, nonfinite, update_ratio, vanishing_gradients)
+from . import (attention_collapse, dataloader_bottleneck, dead_relu, exploding_gradients,
+               loss_divergence, loss_plateau, memory_leak, nonfinite, slow_steps, update_ratio,
+               vanishing_gradients)
 
 DETECTORS = (nonfinite, exploding_gradients, vanishing_gradients, dead_relu, attention_collapse,
-             memory_leak, loss_divergence, loss_plateau, update_ratio)
+             memory_leak, loss_divergence, loss_plateau, update_ratio, dataloader_bottleneck,
+             slow_steps)

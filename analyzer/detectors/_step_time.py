@@ -1,0 +1,19 @@
+"""Where the step time goes: the phases recorded every step (steps/data_wait_s, forward_s,
+backward_s, recorder_s), host clock."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..trace import RankTrace
+
+PHASES = ("data_wait_s", "forward_s", "backward_s", "recorder_s")
+PHASE_NAMES = {"data_wait_s": "waiting for data", "forward_s": "forward",
+               "backward_s": "backward and optimizer", "recorder_s": "recorder"}
+
+
+def phases(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+    """(steps x 4 phase times, total per step) with NaN rows where a phase was not timed."""
+    df = rt.steps
+    t = np.stack([df[c].to_numpy(dtype=float) for c in PHASES], axis=1)
+    return t, t.sum(axis=1)

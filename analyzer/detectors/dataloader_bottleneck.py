@@ -1,0 +1,51 @@
+"""dataloader_bottleneck: the training waits for its input.
+
+Heuristic: the median share of a step (host clock) spent waiting for the next batch — from the
+end of the previous rec.step() to the first forward — after `skip_steps` (worker start-up),
+reaches `share`. Dated from the first step after which the trailing median share stays above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import DataloaderBottleneckConfig
+from ..findings import Finding
+from ..series import trailing_median
+from ..trace import RankTrace
+from ._step_time import PHASES, phases
+
+KIND = "dataloader_bottleneck"
+REQUIRES = ("steps/data_wait_s",)
+
+_ADVICE_DATA = (
+    "The model waits for its input: give the DataLoader more workers (num_workers, about the "
+    "number of CPU cores), pin_memory=True and persistent_workers=True on GPU, a larger "
+    "prefetch_factor; move expensive decoding/augmentation out of __getitem__ (pre-process once, "
+    "cache, or do it on the GPU in batches); check the storage the data is read from."
+)
+
+
+def detect(rt: RankTrace, cfg: DataloaderBottleneckConfig) -> list[Finding]:
+    t, total = phases(rt)
+    ok = np.isfinite(total) & (total > 0)
+    ok[: cfg.skip_steps] = False
+    if ok.sum() < cfg.min_steps:
+        return []
+    share = np.where(ok, t[:, 0] / np.where(ok, total, 1.0), np.nan)
+    median_share = float(np.nanmedian(share))
+    if median_share < cfg.share:
+        return []
+    above = trailing_median(share, 10) >= cfg.share
+    below = np.flatnonzero(~above & ok)
+    begin = int(below[-1] + 1) if below.size and below[-1] + 1 < len(share) else int(np.flatnonzero(ok)[0])
+    med = {p: float(np.nanmedian(t[ok, k])) for k, p in enumerate(PHASES)}
+    step = int(rt.step_index[begin])
+    summary = (f"The input pipeline is the bottleneck: {median_share:.0%} of the median step "
+               f"({float(np.nanmedian(total[ok])) * 1e3:.1f} ms) is spent waiting for the next batch "
+               f"({med['data_wait_s'] * 1e3:.1f} ms), against {med['forward_s'] * 1e3:.1f} ms forward and "
+               f"{med['backward_s'] * 1e3:.1f} ms backward and optimizer.")
+    evidence = {"data_wait_share": median_share, "threshold_share": cfg.share,
+                "median_step_s": float(np.nanmedian(total[ok])),
+                **{f"median_{p}": v for p, v in med.items()}, "steps_timed": int(ok.sum())}
+    return [Finding(KIND, "warning", step, [], summary, evidence, _ADVICE_DATA)]

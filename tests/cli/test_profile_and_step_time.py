@@ -1,0 +1,127 @@
+"""Step timing, profiler windows and a slow input pipeline, on real CPU runs, through the CLI."""
+
+import json
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchautopsy import Recorder, load
+from tests.helpers import run_cli
+
+
+class Sleepy(Dataset):
+    """A dataset whose __getitem__ is slow (think: decoding images on one core)."""
+
+    def __init__(self, sleep_s):
+        self.sleep_s = sleep_s
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+def train(run_dir, sleep_s, steps=40, **options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = DataLoader(Sleepy(sleep_s), batch_size=64)
+    with Recorder(model, run_dir, **options) as rec:
+        for step, (x, y) in enumerate(loader):
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+            if step + 1 == steps:
+                break
+
+
+def findings(run_dir, tmp_path):
+    out = tmp_path / "f.json"
+    r = run_cli("analyze", run_dir, "--json", out)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())["findings"], r.stdout
+
+
+def test_a_slow_data_loader_is_flagged(tmp_path):
+    train(tmp_path / "run", sleep_s=0.0005)  # 64 x 0.5 ms = 32 ms of waiting per batch
+    found, out = findings(tmp_path / "run", tmp_path)
+    (f,) = [f for f in found if f["kind"] == "dataloader_bottleneck"]
+    assert f["severity"] == "warning" and f["evidence"]["data_wait_share"] > 0.5
+    assert f["evidence"]["median_data_wait_s"] > 0.02
+    assert "num_workers" in f["advice"] and "dataloader_bottleneck" in out
+
+
+def test_a_fast_data_loader_is_not(tmp_path):
+    train(tmp_path / "run", sleep_s=0.0)
+    found, _ = findings(tmp_path / "run", tmp_path)
+    assert [f for f in found if f["kind"] == "dataloader_bottleneck"] == []
+    steps = load(tmp_path / "run").ranks[0].steps
+    t = steps[["data_wait_s", "forward_s", "backward_s", "recorder_s"]].iloc[1:]
+    assert (t.to_numpy() > 0).all()  # every phase timed on every step after the first
+
+
+def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(tmp_path):
+    train(tmp_path / "run", sleep_s=0.0, steps=30)  # default: one window at steps 10-12
+    rt = load(tmp_path / "run").ranks[0]
+    w = rt.profile_windows
+    assert list(w["step_start"]) == [10] and list(w["step_end"]) == [12]
+    ops = rt.profile_ops(0)
+    assert ops["calls"].sum() > 0 and any(n in set(ops["name"]) for n in ("aten::addmm", "aten::linear"))
+    out = tmp_path / "trace.json"
+    r = run_cli("export", tmp_path / "run", "--profile", out)
+    assert r.returncode == 0, r.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::addmm" for e in events)
+    assert "profiler     1 window(s) at steps 10-12" in run_cli("info", tmp_path / "run").stdout
+
+
+def test_export_errors_are_one_line(tmp_path):
+    train(tmp_path / "run", sleep_s=0.0, steps=15, profile_first=2, profile_steps=2)
+    for args, needle in ((["--profile", tmp_path / "t.json", "--window", "5"], "no profiler window 5"),
+                         (["--profile", tmp_path / "t.json", "--rank", "3"], "no rank 3"),
+                         ([], "nothing to export")):
+        r = run_cli("export", tmp_path / "run", *args)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_profiling_can_be_turned_off(tmp_path):
+    train(tmp_path / "run", sleep_s=0.0, steps=15, profile_steps=0)
+    assert len(load(tmp_path / "run").ranks[0].profile_windows) == 0
+
+
+class OneSlowShard(Sleepy):
+    """Batch 25 comes from a slow shard: its first sample takes 0.3 s to read."""
+
+    def __getitem__(self, i):
+        if i == 25 * 64:
+            time.sleep(0.3)
+        return super().__getitem__(i)
+
+
+def test_one_slow_batch_is_a_slow_step_in_the_data_phase(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with Recorder(model, tmp_path / "run", profile_steps=0) as rec:
+        for step, (x, y) in enumerate(DataLoader(OneSlowShard(0.0), batch_size=64)):
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+            if step == 40:
+                break
+    found, _ = findings(tmp_path / "run", tmp_path)
+    (f,) = [f for f in found if f["kind"] == "slow_steps"]
+    assert f["severity"] == "info" and f["step"] == 25
+    assert f["evidence"]["slowest"][0]["slowest_phase"] == "waiting for data"
+    assert [f for f in found if f["kind"] == "dataloader_bottleneck"] == []  # one batch is not a pattern
