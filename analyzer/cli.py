@@ -218,6 +218,7 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
             if pdf_path:
                 progress(n + bool(html_path), n + extra, "laying out the PDF")
                 outputs.append((pdf_path, render_pdf(report)))
+            progress(n + extra, n + extra, "done")
         finally:
             progress.close()
     if md_path:

@@ -144,7 +144,7 @@ class RankTrace:
         data = {c: self._read(f"steps/{c}", self.n_steps) for c in cols}
         # Columns added to schema 1 after its first traces: absent ones read as "not measured".
         for group, missing in ((("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
-                               (("data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan)):
+                               (("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan)):
             have = self._has(f"steps/{group[0]}")
             table = self._table("steps", group) if have else {}
             for c in group:
@@ -254,6 +254,23 @@ class RankTrace:
         if data.shape[1] < width:  # rows written before later sites were seen
             data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
         return self._frame(data[:, :width], t["step"], cols)
+
+    @cached_property
+    def census_groups(self) -> pd.DataFrame:
+        """Live tensor census by group, one row per (census step, group): step, device, dtype,
+        shape (str), graph (holds an autograd graph), count, bytes."""
+        cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes")
+        df = pd.DataFrame(self._table("census_groups", cols))
+        for c in ("device", "dtype", "shape"):
+            df[c] = [v.decode() if isinstance(v, bytes) else str(v) for v in df[c]]
+        return df
+
+    @cached_property
+    def module_outputs(self) -> pd.DataFrame:
+        """The shape and dtype of each module's first floating-point output: module (name),
+        module_index, shape (str), dtype."""
+        return self._sites("module_outputs", ("module", "shape", "dtype"), "shape").assign(
+            dtype=lambda d: [v.decode() if isinstance(v, bytes) else str(v) for v in d["dtype"]])
 
     @cached_property
     def profile_windows(self) -> pd.DataFrame:

@@ -9,6 +9,8 @@ given and returns its result untouched; only then does it show the result to the
 A call made by another wrapped function (``F.relu`` calls ``torch.relu``) is observed once, at
 the outermost wrapper.
 
+Also timed: ``__next__`` of DataLoader iterators (the training's wait for its next batch).
+
 Not covered: tensor methods (``x.relu()``, ``x.tanh()``), and function objects captured before
 the recorder started (``nn.TransformerEncoderLayer`` keeps the ``F.gelu`` it was built with;
 its ``F.relu`` is still seen, through ``torch.relu``).
@@ -17,6 +19,7 @@ its ``F.relu`` is still seen, through ``torch.relu``).
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +33,8 @@ _ATTENTION = ((F, "scaled_dot_product_attention"),)
 
 _state = threading.local()
 _lock = threading.Lock()
-# Objects with on_activation(name, args, kwargs, out), on_attention(...) and on_observer_error(e).
+# Objects with on_activation(name, args, kwargs, out), on_attention(...), on_data_wait(seconds)
+# and on_observer_error(e).
 _observers: list = []
 _originals: dict[tuple[int, str], object] = {}
 
@@ -63,6 +67,26 @@ def _wrap(namespace, attr: str, kind: str):
     return original, wrapper
 
 
+def _wrap_next(original):
+    """DataLoader iterators' __next__, timed: the training's wait for its next batch."""
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            dt = time.perf_counter() - t0
+            for obs in tuple(_observers):
+                try:
+                    obs.on_data_wait(dt)
+                except Exception as e:
+                    obs.on_observer_error(e)
+
+    __next__._torchautopsy_wrapper = True
+    __next__.__wrapped__ = original
+    return __next__
+
+
 def attach(observer) -> None:
     """Start showing calls to ``observer``; the first observer installs the wrappers."""
     with _lock:
@@ -71,7 +95,19 @@ def attach(observer) -> None:
                 _install(ns, attr, "activation")
             for ns, attr in _ATTENTION:
                 _install(ns, attr, "attention")
+            it = _loader_iter()
+            if it is not None and not getattr(it.__next__, "_torchautopsy_wrapper", False):
+                _originals[(id(it), "__next__")] = it.__next__
+                it.__next__ = _wrap_next(it.__next__)
         _observers.append(observer)
+
+
+def _loader_iter():
+    try:
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+    except ImportError:  # a torch without it: batches are not timed, nothing else changes
+        return None
+    return _BaseDataLoaderIter
 
 
 def detach(observer) -> None:
@@ -80,8 +116,9 @@ def detach(observer) -> None:
         if observer in _observers:
             _observers.remove(observer)
         if not _observers:
+            it = _loader_iter()
             for (ns_id, attr), original in list(_originals.items()):
-                ns = F if ns_id == id(F) else torch
+                ns = F if ns_id == id(F) else it if it is not None and ns_id == id(it) else torch
                 if getattr(getattr(ns, attr, None), "_torchautopsy_wrapper", False):
                     setattr(ns, attr, original)
             _originals.clear()

@@ -40,6 +40,8 @@ class ModuleWatcher:
             self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._make_hook(i)))
         self.sample_activations = False
+        self._shape_seen = [False] * len(self.names)
+        self._new_shapes: list[dict] = []
         self.t_forward_start: float | None = None
         self.t_forward_end: float | None = None
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
@@ -58,6 +60,10 @@ class ModuleWatcher:
         """Index of the module whose forward returned tensor x this step, or -1."""
         hit = self._producers.get(id(x))
         return hit[1] if hit is not None and hit[0]() is x else -1
+
+    def take_new_shapes(self) -> list[dict]:
+        new, self._new_shapes = self._new_shapes, []
+        return new
 
     def take_times(self) -> tuple[float | None, float | None]:
         """(start of the step's first forward, end of its last), perf_counter seconds."""
@@ -134,6 +140,11 @@ class ModuleWatcher:
                     if not outs:
                         return
                     self._calls.append((index, ins, [self._check(x) for x in outs]))
+                    if not self._shape_seen[index]:
+                        self._shape_seen[index] = True
+                        self._new_shapes.append({
+                            "module": index, "shape": "[" + ", ".join(map(str, outs[0].shape)) + "]",
+                            "dtype": str(outs[0].dtype).replace("torch.", "")})
                     if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
                         self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
                     if self.sample_activations:

@@ -36,14 +36,22 @@ def cuda_bytes(device: torch.device | None) -> tuple[int, int, int]:
     )
 
 
-def tensor_census() -> tuple[int, int, int]:
-    """(live tensors, their storage bytes, how many hold an autograd graph), from gc's objects.
+# Groups kept per census: the largest by bytes and the most numerous (a leak of small tensors,
+# such as one kept loss per step, grows in count long before it shows in bytes).
+CENSUS_GROUPS_BY_BYTES = 24
+CENSUS_GROUPS_BY_COUNT = 8
+
+
+def tensor_census() -> tuple[int, int, int, list[dict]]:
+    """(live tensors, their storage bytes, how many hold an autograd graph, groups), from gc.
 
     Walks every object the garbage collector tracks: costs ~10-100 ms, so it runs sparsely.
-    Storages shared by several tensors (views) are counted once.
+    Storages shared by several tensors (views) are counted once. Groups are (device, dtype,
+    shape, holds a graph) with their count and bytes: the largest and the most numerous.
     """
     n = with_graph = nbytes = 0
     storages: set[tuple[str, int]] = set()
+    groups: dict[tuple, list[int]] = {}
     tensor = torch.Tensor
     for obj in gc.get_objects():
         # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn when their
@@ -52,13 +60,24 @@ def tensor_census() -> tuple[int, int, int]:
             continue
         n += 1
         try:
-            if obj.grad_fn is not None:
-                with_graph += 1
+            graph = obj.grad_fn is not None
+            with_graph += graph
             st = obj.untyped_storage()
             key = (str(obj.device), st.data_ptr())
+            size = 0
             if key not in storages:
                 storages.add(key)
-                nbytes += st.nbytes()
+                size = st.nbytes()
+                nbytes += size
+            g = groups.setdefault((str(obj.device), str(obj.dtype).replace("torch.", ""),
+                                   tuple(obj.shape), graph), [0, 0])
+            g[0] += 1
+            g[1] += size
         except Exception:  # sparse, meta or otherwise storage-less tensors
             continue
-    return n, nbytes, with_graph
+    by_bytes = sorted(groups.items(), key=lambda kv: -kv[1][1])[:CENSUS_GROUPS_BY_BYTES]
+    by_count = sorted(groups.items(), key=lambda kv: -kv[1][0])[:CENSUS_GROUPS_BY_COUNT]
+    kept = dict(by_bytes + by_count)
+    rows = [{"device": k[0], "dtype": k[1], "shape": "[" + ", ".join(map(str, k[2])) + "]",
+             "graph": int(k[3]), "count": v[0], "bytes": v[1]} for k, v in kept.items()]
+    return n, nbytes, with_graph, rows

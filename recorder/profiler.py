@@ -64,7 +64,7 @@ def _task(prof, window: int, start: int, end: int):
         try:
             prof.export_chrome_trace(path)
             with open(path, "rb") as f:
-                blob = gzip.compress(f.read(), compresslevel=6)
+                blob = gzip.compress(f.read(), compresslevel=9)
         finally:
             os.unlink(path)
         offset = writer.append_blob(np.frombuffer(blob, dtype=np.uint8))

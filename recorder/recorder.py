@@ -97,6 +97,8 @@ class Recorder:
         self.profiler = None
         self._next_census = 0
         self._t_step_end: float | None = None
+        self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
+        self._saw_loader = False
         self._step_times: list[float] = []
 
         named = list(model.named_parameters())
@@ -207,6 +209,11 @@ class Recorder:
     def on_attention(self, fn, args, kwargs, out) -> None:
         if self._active:
             self.attention.on_attention(fn, args, kwargs, out)
+
+    def on_data_wait(self, seconds: float) -> None:
+        if self._active:
+            self._data_wait_s += seconds
+            self._saw_loader = True
 
     def on_observer_error(self, e: BaseException) -> None:
         self._fail(e)
@@ -320,7 +327,11 @@ class Recorder:
         # Sites first seen this step go in the same queue item as the rows that refer to them.
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
-        rows["steps"].update(self._census(step))
+        census, groups = self._census(step)
+        rows["steps"].update(census)
+        if groups:
+            rows["census_groups"] = [{"step": step, **g} for g in groups]
+        rows["module_outputs"] = self.watcher.take_new_shapes()
         rows["steps"].update(self._timing(t_called))
         self.writer.put(rows)
         task = self.profiler.end(step)
@@ -328,27 +339,30 @@ class Recorder:
             self.writer.put_task(task)
 
     def _timing(self, t_called: float) -> dict:
-        """Split the step's wall time; NaN where a phase was not seen (no forward, first step)."""
+        """Split the step's wall time; NaN where a phase was not seen (no forward, first step,
+        no DataLoader)."""
         t_fwd, t_fwd_end = self.watcher.take_times()
         nan = float("nan")
         prev = self._t_step_end
         self._t_step_end = time.perf_counter()
+        data_wait, self._data_wait_s = self._data_wait_s, 0.0
         return {
-            "data_wait_s": t_fwd - prev if (t_fwd is not None and prev is not None) else nan,
+            "data_wait_s": data_wait if self._saw_loader else nan,
+            "between_steps_s": t_fwd - prev if (t_fwd is not None and prev is not None) else nan,
             "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else nan,
             "backward_s": t_called - t_fwd_end if t_fwd_end is not None else nan,
             "recorder_s": self._t_step_end - t_called,
         }
 
-    def _census(self, step: int) -> dict:
+    def _census(self, step: int) -> tuple[dict, list[dict]]:
         """Live tensor census on a sparse schedule that keeps its cost near 1% of training."""
         none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
         now = time.perf_counter()
         self._step_times.append(now)
         if step < self._next_census:
-            return none
+            return none, []
         t0 = time.perf_counter()
-        n, nbytes, graphs = tensor_census()
+        n, nbytes, graphs, groups = tensor_census()
         cost = time.perf_counter() - t0
         times = self._step_times[-21:]
         self._step_times = times
@@ -357,7 +371,7 @@ class Recorder:
             step_s = (times[-1] - times[0]) / (len(times) - 1)
             gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
         self._next_census = step + gap
-        return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}
+        return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}, groups
 
     def _copy_weights(self):
         # One copy of the weights, taken every update_ratio_every steps for the update ratio.

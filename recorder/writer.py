@@ -55,9 +55,12 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("cuda_allocated_bytes", "i8"),
             Column("cuda_reserved_bytes", "i8"),
             Column("cuda_peak_bytes", "i8"),
-            # Where the step's wall time went (host clock): waiting for data (from the end of
-            # the previous rec.step() to this step's first forward), forward, backward plus
-            # optimizer (to this rec.step() call), and the recorder's own work in rec.step().
+            # Where the step's wall time went (host clock): between steps (from the end of the
+            # previous rec.step() to this step's first forward: loading data, and whatever else
+            # the loop does), of which waiting in DataLoader.__next__ (NaN if no DataLoader was
+            # used), forward, backward plus optimizer (to this rec.step() call), and the
+            # recorder's own work in rec.step().
+            Column("between_steps_s", "f4"),
             Column("data_wait_s", "f4"),
             Column("forward_s", "f4"),
             Column("backward_s", "f4"),
@@ -104,6 +107,20 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("ever_positive", "u1", GROWS),  # bits (little-endian per byte), one per unit
             Column("saturated_frac", "f4", GROWS),  # per site: share of saturated outputs
         ],
+        # The live tensor census by group (device, dtype, shape, holds a graph), per census step:
+        # the largest groups by bytes and the most numerous (memory.py).
+        "census_groups": [
+            Column("step", "i8"),
+            Column("device", "str"),
+            Column("dtype", "str"),
+            Column("shape", "str"),  # e.g. "[64, 50, 128]"; "[]" for a scalar
+            Column("graph", "i1"),
+            Column("count", "i8"),
+            Column("bytes", "i8"),
+        ],
+        # The shape of each module's first floating-point output, when first seen: lets the
+        # analyzer tell which module made the tensors of a growing census group.
+        "module_outputs": [Column("module", "i4"), Column("shape", "str"), Column("dtype", "str")],
         # torch.profiler windows (profiler.py); the gzipped Chrome trace of each is in blobs/.
         "profile_windows": [
             Column("window", "i4"),
@@ -209,10 +226,12 @@ class TraceWriter:
         if c.dtype == "str":
             return g.create_dataset(c.name, shape=(0,), maxshape=(None,), dtype=_STR, chunks=(256,))
         item = np.dtype(c.dtype).itemsize
-        if c.width is None:
-            shape, maxshape, chunks = (0,), (None,), (_chunk_rows(1, item),)
+        if c.width is None:  # 1,024 rows (8 KiB of int64): ~30 such columns stay small
+            shape, maxshape, chunks = (0,), (None,), (1024,)
         elif c.width == GROWS:
-            shape, maxshape, chunks = (0, 0), (None, None), (16, 512)
+            # 128 rows x 32 columns: a few heads or sites per layer fill a chunk's width, and
+            # a short run stays one chunk tall (16 KiB for float32).
+            shape, maxshape, chunks = (0, 0), (None, None), (128, 32)
         else:  # a model without parameters still gets its (steps x 0) datasets
             shape, maxshape = (0, c.width), (None, c.width or None)
             chunks = (_chunk_rows(c.width, item), max(1, c.width))

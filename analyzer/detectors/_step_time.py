@@ -1,5 +1,6 @@
-"""Where the step time goes: the phases recorded every step (steps/data_wait_s, forward_s,
-backward_s, recorder_s), host clock."""
+"""Where the step time goes: the phases recorded every step (steps/between_steps_s,
+forward_s, backward_s, recorder_s), host clock; steps/data_wait_s is the part of between_steps_s
+spent in DataLoader.__next__."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import numpy as np
 
 from ..trace import RankTrace
 
-PHASES = ("data_wait_s", "forward_s", "backward_s", "recorder_s")
-PHASE_NAMES = {"data_wait_s": "waiting for data", "forward_s": "forward",
+PHASES = ("between_steps_s", "forward_s", "backward_s", "recorder_s")
+PHASE_NAMES = {"between_steps_s": "between steps (data loading and other loop code)", "forward_s": "forward",
                "backward_s": "backward and optimizer", "recorder_s": "recorder"}
 
 

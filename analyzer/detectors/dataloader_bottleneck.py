@@ -1,8 +1,9 @@
 """dataloader_bottleneck: the training waits for its input.
 
-Heuristic: the median share of a step (host clock) spent waiting for the next batch — from the
-end of the previous rec.step() to the first forward — after `skip_steps` (worker start-up),
-reaches `share`. Dated from the first step after which the trailing median share stays above.
+Heuristic: the median share of a step (host clock) spent in DataLoader.__next__ waiting for the
+next batch, after `skip_steps` (worker start-up), reaches `share`. Dated from the first step
+after which the trailing median share stays above. Loops that feed batches without a DataLoader
+are not judged (their wait cannot be told from other work between steps).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ _ADVICE_DATA = (
 
 def detect(rt: RankTrace, cfg: DataloaderBottleneckConfig) -> list[Finding]:
     t, total = phases(rt)
-    ok = np.isfinite(total) & (total > 0)
+    wait = rt.steps["data_wait_s"].to_numpy(dtype=float)
+    ok = np.isfinite(total) & (total > 0) & np.isfinite(wait)
     ok[: cfg.skip_steps] = False
     if ok.sum() < cfg.min_steps:
-        return []
-    share = np.where(ok, t[:, 0] / np.where(ok, total, 1.0), np.nan)
+        return []  # no DataLoader was used (its batches are what is timed), or a short run
+    share = np.where(ok, wait / np.where(ok, total, 1.0), np.nan)
     median_share = float(np.nanmedian(share))
     if median_share < cfg.share:
         return []
@@ -40,12 +42,13 @@ def detect(rt: RankTrace, cfg: DataloaderBottleneckConfig) -> list[Finding]:
     below = np.flatnonzero(~above & ok)
     begin = int(below[-1] + 1) if below.size and below[-1] + 1 < len(share) else int(np.flatnonzero(ok)[0])
     med = {p: float(np.nanmedian(t[ok, k])) for k, p in enumerate(PHASES)}
+    med_wait = float(np.nanmedian(wait[ok]))
     step = int(rt.step_index[begin])
     summary = (f"The input pipeline is the bottleneck: {median_share:.0%} of the median step "
-               f"({float(np.nanmedian(total[ok])) * 1e3:.1f} ms) is spent waiting for the next batch "
-               f"({med['data_wait_s'] * 1e3:.1f} ms), against {med['forward_s'] * 1e3:.1f} ms forward and "
+               f"({float(np.nanmedian(total[ok])) * 1e3:.1f} ms) is spent waiting for the DataLoader's "
+               f"next batch ({med_wait * 1e3:.1f} ms), against {med['forward_s'] * 1e3:.1f} ms forward and "
                f"{med['backward_s'] * 1e3:.1f} ms backward and optimizer.")
     evidence = {"data_wait_share": median_share, "threshold_share": cfg.share,
-                "median_step_s": float(np.nanmedian(total[ok])),
+                "median_step_s": float(np.nanmedian(total[ok])), "median_data_wait_s": med_wait,
                 **{f"median_{p}": v for p, v in med.items()}, "steps_timed": int(ok.sum())}
     return [Finding(KIND, "warning", step, [], summary, evidence, _ADVICE_DATA)]

@@ -99,12 +99,18 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
         "tail_slope_share": float(tail_slope / slope),
     }
     cause, advice = _census(rt, steps, evidence)
+    where: list[str] = []
+    group = _growing_group(rt)
+    if group is not None:
+        cause, advice, where = group["cause"], group["advice"], group["modules"]
+        begin = min(begin, group["growing_since_step"])
+        evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
     mb = slope / 2**20
     per = f"{mb:.2f} MiB" if abs(mb) >= 0.01 else f"{slope / 1024:.1f} KiB"
     summary = (f"Memory leak: the {label} grows steadily by {per} per step, "
                f"{base / 2**20:.0f} -> {end / 2**20:.0f} MiB over steps {int(x[0])}-{int(x[-1])} "
                f"(straight-line fit R^2 {r2:.2f}), since about step {begin}. {cause}")
-    return Finding(KIND, "warning", begin, [], summary.strip(), evidence, advice)
+    return Finding(KIND, "warning", begin, where, summary.strip(), evidence, advice)
 
 
 def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
@@ -118,6 +124,56 @@ def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
             break
         begin = t
     return int(x_all[begin])
+
+
+def _growing_group(rt) -> dict | None:
+    """The census group (device, dtype, shape, graph) that grew most between the first and the
+    last census, if it gained at least one tensor every two steps; with the modules whose output
+    has that shape and dtype (the likely makers of the kept tensors)."""
+    g = rt.census_groups
+    if g.empty or g["step"].nunique() < 2:
+        return None
+    first, last = int(g["step"].min()), int(g["step"].max())
+    key = ["device", "dtype", "shape", "graph"]
+    a = g[g["step"] == first].set_index(key)[["count", "bytes"]]
+    b = g[g["step"] == last].set_index(key)[["count", "bytes"]]
+    grow = b.sub(a, fill_value=0).fillna(0)
+    grow = grow[grow["count"] > 0]
+    if grow.empty:
+        return None
+    per_step = grow / max(last - first, 1)
+    top = per_step.sort_values(["bytes", "count"], ascending=False)
+    (device, dtype, shape, graph), row = top.index[0], top.iloc[0]
+    if row["count"] < 0.5:
+        return None
+    holding = " holding an autograd graph" if graph else ""
+    what = "scalar" if shape == "[]" else f"{shape}"
+    makers = rt.module_outputs
+    makers = makers[(makers["shape"] == shape) & (makers["dtype"] == dtype)]
+    modules = list(makers["module"])[:3] if 0 < len(makers) <= 3 else []
+    cause = (f"The tensor census grows by {row['count']:.1f} {what} {dtype} tensor(s) on {device}{holding} per "
+             f"step ({int(a['count'].get((device, dtype, shape, graph), 0))} at step {first}, "
+             f"{int(b['count'].loc[(device, dtype, shape, graph)])} at step {last})")
+    if graph and shape == "[]":
+        cause += ": a loss tensor kept across iterations."
+        advice = _ADVICE_GRAPH
+    elif graph:
+        cause += ": tensors kept with their autograd graph."
+        advice = _ADVICE_GRAPH
+    else:
+        cause += "."
+        advice = _ADVICE_TENSORS
+    if modules:
+        cause += f" That is the shape of the output of {', '.join(modules)}: something keeps it (a hook, a cache)."
+    # The census dates the start better than memory does (allocators grow in bursts): the
+    # last census at which the group was at its smallest.
+    mine = g[(g["device"] == device) & (g["dtype"] == dtype) & (g["shape"] == shape) & (g["graph"] == graph)]
+    counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
+    since = int(counts.index[np.flatnonzero(counts.to_numpy() == counts.min())[-1]])
+    return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph),
+            "growing_since_step": since,
+            "tensors_per_step": float(row["count"]), "bytes_per_step": float(row["bytes"]),
+            "census_steps": [first, last], "modules": modules, "cause": cause, "advice": advice}
 
 
 def _census(rt, steps, evidence) -> tuple[str, str]:

@@ -28,16 +28,19 @@ def detect(rt: RankTrace, cfg: SlowStepsConfig) -> list[Finding]:
     if ok.sum() < cfg.min_steps:
         return []
     median = float(np.median(total[ok]))
-    med_phase = np.nanmedian(t[ok], axis=0)
     slow = np.flatnonzero(ok & (total > cfg.ratio * median) & (total - median >= cfg.min_excess_s))
     if not slow.size:
         return []
+    # The time between steps splits into the DataLoader's part (when one was used) and the rest.
+    wait = np.nan_to_num(rt.steps["data_wait_s"].to_numpy(dtype=float), nan=0.0)
+    parts = np.column_stack([wait, t[:, 0] - wait, t[:, 1:]])
+    names = ["waiting for data", "other work between steps"] + [PHASE_NAMES[p] for p in PHASES[1:]]
+    med_parts = np.nanmedian(parts[ok], axis=0)
     listed = []
     for i in slow[np.argsort(-total[slow])][: cfg.max_listed]:
-        excess = t[i] - med_phase
-        k = int(np.nanargmax(excess))
+        k = int(np.nanargmax(parts[i] - med_parts))
         listed.append({"step": int(rt.step_index[i]), "step_s": float(total[i]),
-                       "slowest_phase": PHASE_NAMES[PHASES[k]], "phase_s": float(t[i, k])})
+                       "slowest_phase": names[k], "phase_s": float(parts[i, k])})
     causes = sorted({d["slowest_phase"] for d in listed})
     summary = (f"{len(slow)} step(s) took over {cfg.ratio:g}x the median step ({median * 1e3:.1f} ms); the "
                f"slowest, step {listed[0]['step']}, took {listed[0]['step_s'] * 1e3:.1f} ms, mostly "
