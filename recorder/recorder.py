@@ -257,7 +257,10 @@ class Recorder:
             if self._params:
                 weights = [p.detach() for p in self._params]
                 pk.add("param_norm", torch._foreach_norm(weights))
-                do_update = self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
+                # The model may have moved (model.to(device), .half()) since the copy was taken.
+                do_update = (self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
+                             and self._prev_weights[0].device == weights[0].device
+                             and self._prev_weights[0].dtype == weights[0].dtype)
                 if do_update:
                     delta = torch._foreach_sub(weights, self._prev_weights)
                     pk.add("update_num", torch._foreach_norm(delta))
@@ -299,6 +302,8 @@ class Recorder:
             loss_value = float("nan")
         else:
             loss_value = float(loss)
+        if self._params:
+            self._device = self._params[0].device
         alloc, reserved, peak = cuda_bytes(self._device)
         rows = {
             "steps": {
