@@ -11,12 +11,13 @@ import shlex
 
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
-from .summary import ending, plural, steps_span, verdict
+from .model import plain
+from .summary import build_verdict, ending, plural, steps_span
 
 # 16 fixed lines and at most MAX_ROWS table rows: under 40 lines.
 MAX_ROWS = 20
 _CELL_CHARS = {"kind": 28, "where": 60, "summary": 160}
-_VERDICT_CHARS = 400
+_VERDICT_CHARS = 700
 # CommonMark lets any ASCII punctuation be backslash-escaped; these would otherwise make markup
 # (code spans, emphasis, links, HTML tags, table cells, entities).
 _SPECIAL = re.compile(r"([\\`*\[\]<>|&])")
@@ -25,11 +26,11 @@ _SPECIAL = re.compile(r"([\\`*\[\]<>|&])")
 def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     """The ticket-sized report of ``trace`` and its ``findings`` (sorted as the analyzer returns them)."""
     lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
-             _verdict_line(findings), ""]
+             _verdict_line(findings, len(trace.ranks)), ""]
     lines += _findings_table(findings) if findings else ["No findings."]
-    command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html"
+    command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html --pdf report.pdf"
     fence = "`" * max(3, _longest_backtick_run(command) + 1)
-    lines += ["", "Full report with evidence and plots:", "", fence, command, fence]
+    lines += ["", "Full report with evidence and figures (reproduce the analysis):", "", fence, command, fence]
     return "\n".join(lines) + "\n"
 
 
@@ -54,14 +55,12 @@ def _run_line(trace: Trace) -> str:
     return "**Run:** " + md_text(text, 400)
 
 
-def _verdict_line(findings: list[Finding]) -> str:
-    v = verdict(findings)
-    if v.problem is None:
+def _verdict_line(findings: list[Finding], n_ranks: int) -> str:
+    v = build_verdict(findings, n_ranks)
+    if v.severity == "ok":
         return f"**Verdict:** No problem found (checked: {', '.join(v.checked)})."
-    p = v.problem
-    at = "".join([f" at step {p.step}" if p.step is not None else "",
-                  f" on rank {p.rank}" if p.rank is not None else ""])
-    return f"**Verdict:** {p.severity} {p.kind}{at}: {md_text(p.summary, _VERDICT_CHARS)}"
+    chain = " ".join(plain(s) for s in v.sentences)
+    return f"**Verdict:** {md_text(v.headline, 200)}. {md_text(chain, _VERDICT_CHARS)}"
 
 
 def _findings_table(findings: list[Finding]) -> list[str]:

@@ -1,44 +1,94 @@
 """What every report says first: the facts of the run and the verdict. Plain text, no markup.
 
-Both renderers (HTML, Markdown) take these strings and escape them for their own format.
+The renderers (HTML, PDF, Markdown) take these strings and escape them for their own format.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from ..analyzer.detectors import DETECTORS
-from ..analyzer.findings import Finding
+from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
 from ..analyzer.trace import RankTrace, Trace
+from .format import format_bytes, format_duration, plural
+from .model import Fact, Span, Text, Verdict
+from .sections import section
+from .sections._text import text
 
 # The detectors every report says it ran, in registry order.
 CHECKED = tuple(det.KIND for det in DETECTORS)
 PROBLEM_SEVERITIES = ("error", "warning")
 CLEAN_END = "closed cleanly"
+# The verdict names the first problem and at most this many after it (grouped by kind).
+MAX_CHAIN = 5
+
+__all__ = ["CHECKED", "CLEAN_END", "build_verdict", "ending", "format_bytes", "format_duration",
+           "plural", "recorder_settings", "run_facts", "steps_span"]
 
 
-@dataclass(frozen=True)
-class Fact:
-    label: str
-    value: str
-    bad: bool = False  # a fact the reader should not miss (a killed job, unreadable ranks)
+def build_verdict(findings: list[Finding], n_ranks: int = 1,
+                  anchors: dict[int, str] | None = None) -> Verdict:
+    """The headline and the chain: the first warning or error in time, then what followed it.
 
-
-@dataclass(frozen=True)
-class Verdict:
-    problem: Finding | None  # the first (most severe, earliest) warning or error, if any
-    n_problems: int          # how many findings are warnings or errors
-    n_notes: int             # how many are info
-    checked: tuple[str, ...] = CHECKED
-
-
-def verdict(findings: list[Finding]) -> Verdict:
-    """The headline of a report; ``findings`` come sorted (severity, step) from the analyzer."""
+    Findings of one kind are told once, at their first step (three dead layers are one link of
+    the chain). Problems without a step (an unreadable rank, a detector that crashed) come last.
+    ``anchors`` maps id(finding) to its place in the report, for a link to the first one.
+    """
     problems = [f for f in findings if f.severity in PROBLEM_SEVERITIES]
-    return Verdict(problems[0] if problems else None, len(problems), len(findings) - len(problems))
+    notes = len(findings) - len(problems)
+    if not problems:
+        return Verdict("ok", "No problem found", (), CHECKED, 0, notes, None)
+    worst = "error" if any(f.severity == "error" for f in problems) else "warning"
+    counts = [plural(sum(f.severity == s for f in problems), s) for s in PROBLEM_SEVERITIES
+              if any(f.severity == s for f in problems)]
+    first = first_to_go_wrong(problems)
+    dated = sorted((f for f in problems if f.step is not None), key=_when)
+    groups: dict[tuple[str, int | None], list[Finding]] = {}
+    for f in dated:
+        groups.setdefault((f.kind, f.rank if n_ranks > 1 else None), []).append(f)
+    chain = list(groups.values())
+    sentences: list[Text] = []
+    if chain:
+        links = [_link(fs, n_ranks) for fs in chain[: MAX_CHAIN + 1]]
+        sentences.append(_capitalize(text(links[0], ".")))
+        if len(links) > 1:
+            then: list = ["Then "]
+            for i, link in enumerate(links[1:]):
+                then += ["; " if i else "", link]
+            left = len(chain) - len(links)
+            then.append(f"; and {plural(left, 'more problem')} below." if left > 0 else ".")
+            sentences.append(text(*then))
+    undated = [f for f in problems if f.step is None]
+    for f in undated[:2]:
+        sentences.append(text(f"{'Also: ' if chain else ''}{f.summary}"))
+    if len(undated) > 2:
+        sentences.append(text(f"And {plural(len(undated) - 2, 'more problem')} without a step below."))
+    head_f = first or problems[0]
+    at = f" at step {head_f.step:,}" if head_f.step is not None else ""
+    on = f" on rank {head_f.rank}" if n_ranks > 1 and head_f.rank is not None else ""
+    headline = f"{', '.join(counts)}; first to go wrong: {head_f.kind}{at}{on}"
+    anchor = (anchors or {}).get(id(head_f))
+    return Verdict(worst, headline, tuple(sentences), CHECKED, len(problems), notes, anchor)
 
 
+def _when(f: Finding):
+    stage = f.evidence.get("stage") if isinstance(f.evidence, dict) else None
+    return (f.step, STAGES.index(stage) if stage in STAGES else len(STAGES), f.rank or 0)
+
+
+def _link(fs: list[Finding], n_ranks: int) -> Text:
+    link = section(fs[0].kind).phrase(fs)
+    if n_ranks > 1 and fs[0].rank is not None:
+        link = text(link, f" on rank {fs[0].rank}")
+    return link
+
+
+def _capitalize(t: Text) -> Text:
+    if not t or not t[0].text or t[0].code:
+        return t
+    s = t[0]
+    return (Span(s.text[0].upper() + s.text[1:], s.code), *t[1:])
+
+
+# -- the header -----------------------------------------------------------------------------------
 def run_facts(trace: Trace) -> list[Fact]:
     """The run summary of a report's header, one line each."""
     ranks = list(trace.ranks.values())
@@ -47,24 +97,34 @@ def run_facts(trace: Trace) -> list[Fact]:
     facts = [
         Fact("Run directory", trace.run_dir),
         Fact("Model", str(meta.get("model_class", "unknown"))),
-        Fact("Parameters", f"{int(meta.get('n_parameters', 0)):,} in {len(first.param_names)} tensors"),
+        Fact("Parameters", f"{int(meta.get('n_parameters', 0)):,} in {len(first.param_names):,} tensors; "
+                           f"{len(first.module_names):,} modules"),
         Fact("Ranks", _ranks(trace)),
         Fact("Steps", _steps(ranks)),
         Fact("Wall time", format_duration(max(r.wall_time_s for r in ranks))),
         Fact("Started", str(meta.get("start_time", "unknown"))),
-        Fact("Host", _distinct(ranks, "host")),
+        Fact("Host", _distinct(ranks, "host") + f" ({_distinct(ranks, 'device')})"),
         Fact("Torch", _distinct(ranks, "torch_version")),
-        Fact("Trace size", f"{format_bytes(trace.size_bytes)} in {len(ranks)} file(s)"),
+        Fact("Trace size", f"{format_bytes(trace.size_bytes)} in {len(ranks)} file(s), written by "
+                           f"{_distinct(ranks, 'created_by')}"),
     ]
     endings = {r.rank: ending(r) for r in ranks}
     facts.append(Fact("Ended", _per_rank(endings), bad=set(endings.values()) != {CLEAN_END}))
-    dropped = sum(int(r.meta.get("dropped_rows", 0) or 0) for r in ranks)
+    dropped = sum(int(r.meta.get("dropped_steps", r.meta.get("dropped_rows", 0)) or 0) for r in ranks)
     if dropped:
-        facts.append(Fact("Dropped rows", f"{dropped} (the recorder's queue was full; those steps "
-                                          "are missing)", bad=True))
+        facts.append(Fact("Dropped steps", f"{dropped} (the recorder's queue was full; those steps "
+                                           "are missing)", bad=True))
     for path, reason in trace.unreadable.items():
         facts.append(Fact("Unreadable", f"{path}: {reason}", bad=True))
     return facts
+
+
+def recorder_settings(trace: Trace) -> list[tuple[str, str]]:
+    """The Recorder's options as the trace holds them (rank 0's; ranks share their settings)."""
+    cfg = next(iter(trace.ranks.values())).meta.get("config", {})
+    if not isinstance(cfg, dict):
+        return []
+    return [(str(k), str(v)) for k, v in sorted(cfg.items())]
 
 
 def ending(rt: RankTrace) -> str:
@@ -89,29 +149,7 @@ def steps_span(rt: RankTrace) -> str:
     if rt.n_steps == 0:
         return "no steps"
     idx = rt.step_index
-    return f"{plural(rt.n_steps, 'step')} ({int(idx[0])}-{int(idx[-1])})"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def format_bytes(n: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while n >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
-
-
-def format_duration(s: float) -> str:
-    if not math.isfinite(s):
-        return "unknown"
-    if s < 60:
-        return f"{s:.1f} s"
-    m, s = divmod(int(round(s)), 60)
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s"
+    return f"{plural(rt.n_steps, 'step')} ({int(idx[0]):,}-{int(idx[-1]):,})"
 
 
 def _ranks(trace: Trace) -> str:

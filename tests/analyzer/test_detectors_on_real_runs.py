@@ -51,9 +51,10 @@ def test_healthy_run_is_quiet(tmp_path):
 def test_gradients_read_after_zero_grad_say_so_instead_of_crashing(tmp_path):
     torch.manual_seed(0)
     findings = analyze(train(tmp_path, mlp(), step_before_zero_grad=False))
-    info = [f for f in findings if f.severity == "info"]
+    # (on a loaded machine a slow_steps info may come too: steps here take a millisecond)
+    info = [f for f in findings if f.kind in ("exploding_gradients", "vanishing_gradients")]
     assert {f.kind for f in info} == {"exploding_gradients", "vanishing_gradients"}
-    assert all("before the next optimizer.zero_grad()" in f.advice for f in info)
+    assert all(f.severity == "info" and "before the next optimizer.zero_grad()" in f.advice for f in info)
     assert kinds(findings) == []
 
 

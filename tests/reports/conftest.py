@@ -1,13 +1,17 @@
-"""Real traces for the report tests: tiny torch models trained for 30 steps with the Recorder."""
+"""Real traces for the report tests: tiny torch models trained with the Recorder, the shipped
+sample traces, and the tools that look at reports as a user would (Chromium, pdftoppm)."""
 
 from __future__ import annotations
+
+import shutil
 
 import h5py
 import pytest
 import torch
 from torch import nn
 
-from reports_testlib import HOSTILE_IMG, HOSTILE_SCRIPT
+from browser import Browser, find_chromium
+from reports_testlib import HOSTILE_IMG, HOSTILE_LONG, HOSTILE_SCRIPT, HOSTILE_UNICODE
 from torchautopsy import Recorder, load
 
 N_STEPS = 30
@@ -59,6 +63,8 @@ def hostile_dir(tmp_path_factory):
     hostile_class = type(f"Net{HOSTILE_SCRIPT}", (nn.Sequential,), {})
     model = hostile_class(nn.Linear(8, 16), nn.ReLU())
     model.add_module(HOSTILE_SCRIPT, nn.ReLU())
+    model.add_module(HOSTILE_LONG, nn.Linear(16, 16))
+    model.add_module(HOSTILE_UNICODE, nn.ReLU())
     model.add_module(HOSTILE_IMG, nn.Linear(16, 1))
     run_dir = tmp_path_factory.mktemp("hostile")
     record(model, run_dir, lr=1e-4)
@@ -117,3 +123,91 @@ def two_ranks(healthy_dir, tmp_path):
             f.attrs["rank"] = rank
             f.attrs["world_size"] = 2
     return load(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def wide_many_dir(tmp_path_factory):
+    """600 Linear + 600 ReLU layers: more layers than any table or heatmap of a report shows."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(600):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run_dir = tmp_path_factory.mktemp("wide_many")
+    with Recorder(model, run_dir) as rec:
+        for _ in range(6):
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def long_dir(tmp_path_factory):
+    """3,000 steps: more than a figure draws points (2,000) or a heatmap columns (400)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    y = x.sum(1, keepdim=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    run_dir = tmp_path_factory.mktemp("long")
+    with Recorder(model, run_dir) as rec:
+        for _ in range(3000):
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the whole session (Debian's chromium package)."""
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (apt-get install chromium); .ci/run installs it")
+    with Browser(exe) as b:
+        yield b
+
+
+@pytest.fixture(scope="session")
+def pdftoppm():
+    exe = shutil.which("pdftoppm")
+    if exe is None:
+        pytest.skip("pdftoppm is not installed (apt-get install poppler-utils); .ci/run installs it")
+    return exe
+
+
+# -- reports built once per session, shared by the HTML, PDF and browser tests -------------------
+@pytest.fixture(scope="session")
+def diverged_built(diverged_dir):
+    """(trace, findings, report, html, pdf) of the diverged run."""
+    from torchautopsy.analyzer.run import analyze
+    from torchautopsy.reports import build_report, render_html, render_pdf
+
+    trace = load(diverged_dir)
+    findings = analyze(trace)
+    report = build_report(trace, findings)
+    return trace, findings, report, render_html(report), render_pdf(report)
+
+
+@pytest.fixture(scope="session")
+def hostile_built(hostile_dir):
+    """(trace, findings, report, html, pdf) of the hostile run, plus a finding that names its
+    hostile parameters in every field (where, summary, evidence keys and values, advice)."""
+    from torchautopsy.analyzer.findings import Finding
+    from torchautopsy.analyzer.run import analyze
+    from torchautopsy.reports import build_report, render_html, render_pdf
+
+    trace = load(hostile_dir)
+    param = f"{HOSTILE_IMG}.weight"
+    findings = analyze(trace) + [Finding(
+        "vanishing_gradients", "warning", 2, [param, HOSTILE_SCRIPT], f"Tiny gradient in {param}.",
+        {"early_grad_rms": {param: 1e-9}, HOSTILE_SCRIPT: HOSTILE_IMG}, f"Check {HOSTILE_SCRIPT}.", rank=0)]
+    report = build_report(trace, findings)
+    return trace, findings, report, render_html(report), render_pdf(report)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from reports_testlib import HOSTILE_IMG, HOSTILE_SCRIPT
 
-from torchautopsy.analyzer.findings import Finding
+from torchautopsy.analyzer.findings import Finding, first_to_go_wrong
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.reports import render_markdown
 
@@ -46,12 +46,14 @@ def test_diverged_run_lists_its_findings(diverged):
     assert len(lines) <= 40
     assert lines[0] == f"# torchautopsy report: {diverged.run_dir}"
     assert "Sequential (1,377 parameters), 30 steps (0-29), 1 rank" in md
-    assert f"**Verdict:** {findings[0].severity} {findings[0].kind}" in md
+    first = first_to_go_wrong(findings)
+    verdict = next(line for line in lines if line.startswith("**Verdict:** "))
+    assert f"; first to go wrong: {first.kind} at step {first.step}. " in verdict
     rows = table_rows(md)
     assert len(rows) == len(findings)
-    for row, f in zip(rows, findings):
+    for row, f in zip(rows, findings):  # most severe first, then by step
         assert cells(row)[:4] == [f.severity, f.kind, str(f.rank), str(f.step)]
-    assert f"torchautopsy analyze {diverged.run_dir} --html report.html" in md
+    assert f"torchautopsy analyze {diverged.run_dir} --html report.html --pdf report.pdf" in md
 
 
 def test_healthy_run_says_no_problem(healthy):

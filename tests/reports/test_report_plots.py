@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import base64
+import time
 
 import numpy as np
 import pandas as pd
@@ -27,6 +27,20 @@ def test_downsample_keeps_spikes_and_gaps():
     assert gap.any() and np.isnan(ys[gap]).all()
 
 
+def test_a_million_steps_downsample_fast_and_keep_every_bucket_extreme():
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    y = rng.normal(size=n)
+    spikes = np.arange(50) * 19_997 + 7  # one per bucket of 1,000 steps at most
+    y[spikes] = 100.0
+    t = time.perf_counter()
+    xs, ys = plots.downsample_minmax(np.arange(n), y)
+    assert time.perf_counter() - t < 2.0
+    assert len(xs) <= plots.MAX_POINTS
+    assert set(spikes) <= set(xs.tolist())
+    assert ys.min() == y.min()
+
+
 def test_short_series_are_left_alone():
     x, y = np.arange(10), np.linspace(0, 1, 10)
     xs, ys = plots.downsample_minmax(x, y)
@@ -43,18 +57,21 @@ def test_largest_columns_keeps_order_and_skips_empty_ones():
 
 @pytest.mark.filterwarnings("error")
 def test_nonfinite_and_empty_data_still_draw():
-    steps = pd.Index(np.arange(6), name="step")
-    grad = pd.DataFrame({"w$\\alpha$": [1.0, np.inf, np.nan, 0.0, -1.0, 1e30],
-                         "dead": [np.nan] * 6}, index=steps)
-    total = pd.Series([np.nan, np.inf, 1.0, 2.0, np.nan, np.nan], index=steps)
-    loss = pd.Series([np.nan] * 6, index=steps)
-    for uri in (
-        plots.png_data_uri(plots.plot_grad_norms, grad, total=total, marks=[(2, "error", "nonfinite")]),
-        plots.png_data_uri(plots.plot_grad_norms, grad.iloc[:0], total=None),
-        plots.png_data_uri(plots.plot_loss, {"loss": loss}, marks=[(1, "warning", "x")]),
+    steps = np.arange(6)
+    lines = [plots.Line("w$\\alpha$", steps, np.array([1.0, np.inf, np.nan, 0.0, -1.0, 1e30]), emphasis=True),
+             plots.Line("dead", steps, np.full(6, np.nan))]
+    loss = pd.Series([np.nan] * 6, index=pd.Index(steps, name="step"))
+    for png in (
+        plots.render_png(plots.plot_lines, lines, log=True, marks=[(2, "error", "nonfinite")],
+                         nonfinite_at=[(1.0, "w")]),
+        plots.render_png(plots.plot_lines, [], log=True),
+        plots.render_png(plots.plot_loss, {"loss": loss}, marks=[(1, "warning", "x")]),
+        plots.render_png(plots.plot_heatmap, np.full((2, 3), np.nan), ["a", "b"], np.arange(4.0),
+                         nonfinite=np.eye(2, 3, dtype=bool)),
+        plots.render_png(plots.plot_stacked, steps, {"a": np.full(6, np.nan), "b": np.ones(6)}, ylabel="ms"),
     ):
-        assert uri.startswith("data:image/png;base64,")
-        assert base64.b64decode(uri.split(",", 1)[1]).startswith(b"\x89PNG")
+        assert png.startswith(b"\x89PNG")
+    assert plots.png_data_uri(b"\x89PNG").startswith("data:image/png;base64,")
 
 
 def test_labels_are_shortened_and_never_mathtext():

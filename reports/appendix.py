@@ -1,0 +1,187 @@
+"""The appendix: the last recorded statistics of every layer, and what the trace holds and what
+it does not (so a reader knows which questions it can answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..analyzer.errors import TraceError
+from ..analyzer.findings import Finding
+from .context import Context
+from .format import format_number, plural
+from .model import Recorded, Table
+
+# Tables are cut to this many rows (the ones findings name are kept); the rest is counted.
+MAX_ROWS = 200
+# The model summary (print(model)) is cut to this many lines.
+MAX_SUMMARY_LINES = 150
+
+
+def parameter_table(ctx: Context) -> Table:
+    rt = ctx.focus
+    title = "Parameters" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else "")
+    cols = ("parameter", "shape", "grad L2", "grad max |g|", "weight L2", "update ratio", "NaN/Inf grad steps")
+    if rt.n_steps == 0 or not rt.param_names:
+        return Table(title, "No parameter statistics were recorded.", cols, [], (False,) * len(cols))
+    g = ctx.param(rt, "grad_norm")
+    gmax = ctx.param(rt, "grad_absmax")
+    w = ctx.param(rt, "param_norm")
+    bad = ctx.param(rt, "grad_nonfinite")
+    upd = ctx.updates(rt)
+    keep, more = _rows_kept(rt.param_names, ctx.findings, rt.rank)
+    # A run that went NaN has NaN in every statistic of its last step: show the last step whose
+    # gradient norm was finite instead, and say how many came after it.
+    i = _last_finite_row(rt.total_grad_norm.to_numpy())
+    at = int(rt.step_index[i])
+    upd_rows = np.flatnonzero(upd.index.to_numpy() <= at) if upd is not None and len(upd) else np.zeros(0, int)
+    last_upd = upd.iloc[upd_rows[-1]] if upd_rows.size else None
+    bad_steps = (bad.to_numpy() > 0).sum(axis=0) if bad is not None else None
+    rows = []
+    for j in keep:
+        n = rt.param_names[j]
+        rows.append((n, "×".join(map(str, rt.param_shapes[j])) or "scalar",
+                     _at(g, i, j), _at(gmax, i, j), _at(w, i, j),
+                     format_number(last_upd.iloc[j]) if last_upd is not None else "",
+                     f"{int(bad_steps[j]):,}" if bad_steps is not None else ""))
+    caption = f"At step {at:,}, " + (
+        "the last recorded step" if i == rt.n_steps - 1 else
+        f"the last step whose gradients were all finite ({rt.n_steps - 1 - i:,} steps after it were not)")
+    if last_upd is not None:
+        caption += f"; update ratio at step {int(last_upd.name):,}, the last sampled by then"
+    caption += ". NaN/Inf grad steps: how many steps' gradients held NaN or Inf."
+    return Table(title, caption, cols, rows, (False, False, True, True, True, True, True),
+                 more=_more(more, "parameter"), widths=(34, 12, 10, 10, 10, 10, 10))
+
+
+def module_table(ctx: Context) -> Table:
+    rt = ctx.focus
+    title = "Modules" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else "")
+    cols = ("module", "type", "max |output|", "output mean", "output std", "zero share", "dead units")
+    if rt.n_steps == 0 or not rt.module_names:
+        return Table(title, "No module statistics were recorded.", cols, [], (False,) * len(cols))
+    out = ctx.module(rt)
+    o = out.to_numpy(dtype=np.float64)
+    i = _last_finite_row(np.where(np.isfinite(o).all(axis=1), 0.0, np.nan))
+    at = int(rt.step_index[i])
+    acts = {s: ctx.activation(rt, s) for s in ("mean", "std", "zero_frac")}
+    act_row = {}
+    for s, a in acts.items():
+        rows_ok = np.flatnonzero(a.index.to_numpy() <= at) if a is not None and len(a) else np.zeros(0, int)
+        act_row[s] = a.iloc[rows_ok[-1]] if rows_ok.size else None
+    dead = ctx.dead_shares(rt)
+    dead_last = dead.ffill().iloc[-1] if dead is not None and len(dead) else None
+    keep, more = _rows_kept(rt.module_names, ctx.findings, rt.rank)
+    rows = []
+    for j in keep:
+        n = rt.module_names[j]
+        absmax = out.iat[i, j]
+        rows.append((n or "(model)", rt.module_types[j],
+                     "not called" if absmax == -1 else format_number(absmax),
+                     *(format_number(r.iloc[j]) if r is not None else "" for r in act_row.values()),
+                     f"{dead_last[n]:.0%}" if dead_last is not None and n in dead_last.index
+                     and np.isfinite(dead_last[n]) else ""))
+    act_step = act_row["mean"].name if act_row["mean"] is not None else None
+    caption = (f"max |output| at step {at:,}, " + (
+        "the last recorded step" if i == rt.n_steps - 1 else
+        f"the last step whose module outputs were all finite ({rt.n_steps - 1 - i:,} steps after it were not)")
+        + "; mean, std and share of zeros of the output at the last sampled step by then"
+        + (f" ({int(act_step):,})" if act_step is not None else " (none recorded)")
+        + "; dead units: the share of an activation's units never positive in the last window.")
+    return Table(title, caption, cols, rows, (False, False, True, True, True, True, True),
+                 more=_more(more, "module"), widths=(30, 19, 10, 10, 10, 10, 10))
+
+
+def recorded(ctx: Context) -> list[Recorded]:
+    """What the trace holds, and what it does not, for the focus rank."""
+    rt = ctx.focus
+    cfg = rt.meta.get("config", {}) if isinstance(rt.meta.get("config"), dict) else {}
+    out = []
+    n = rt.n_steps
+    loss = rt.steps["loss"].to_numpy() if n else np.zeros(0)
+    given = int(np.isfinite(loss).sum())
+    out.append(Recorded("Loss", given > 0, f"finite at {given:,} of {n:,} steps" if given else
+                        "never given (call rec.step(loss=loss))"))
+    g = ctx.param(rt, "grad_norm")
+    has_g = g is not None and n > 0 and not np.isnan(g.to_numpy()).all()
+    out.append(Recorded("Gradient norms, max |g|, NaN/Inf counts", has_g,
+                        f"every step, {plural(len(rt.param_names), 'parameter tensor')}" if has_g else
+                        "no gradient at any rec.step() (call it after optimizer.step(), before zero_grad())"))
+    out.append(Recorded("Weight norms", n > 0, f"every step, {plural(len(rt.param_names), 'tensor')}"))
+    out.append(Recorded("Module outputs (max |x|, where NaN/Inf was born)", n > 0 and bool(rt.module_names),
+                        f"every step, {plural(len(rt.module_names), 'module')}"))
+    out.append(_sampled("Activation statistics (mean, std, zero share)", ctx.activation(rt, "mean"),
+                        cfg.get("activations_every"), "activations_every"))
+    out.append(_sampled("Update-to-weight ratios", ctx.updates(rt), cfg.get("update_ratio_every"),
+                        "update_ratio_every"))
+    dead = ctx.dead_shares(rt)
+    sites = _safe(lambda: rt.activity_sites)
+    out.append(Recorded("Per-unit activity (dead units)", dead is not None,
+                        f"{plural(len(dead), 'window')} of {cfg.get('activity_window', '?')} steps, "
+                        f"{plural(len(sites), 'activation')}" if dead is not None else
+                        "no ReLU-family, GELU, tanh or sigmoid activation was seen"
+                        if "activity_window" in cfg else "not recorded by this recorder version"))
+    att_sites = _safe(lambda: rt.attention_sites)
+    att = ctx.attention(rt, "entropy") if att_sites is not None and len(att_sites) else None
+    out.append(Recorded("Attention per head (entropy, sink share, similarity)", att is not None and len(att) > 0,
+                        f"{plural(len(att_sites), 'attention layer')}, {plural(len(att), 'sampled step')}"
+                        if att is not None and len(att) else "no attention layer was seen (nn.MultiheadAttention "
+                        "or F.scaled_dot_product_attention)"))
+    steps = rt.steps
+    out.append(Recorded("Resident memory (RSS)", n > 0 and bool((steps["rss_bytes"] >= 0).any()), "every step"))
+    cuda = n > 0 and bool((steps["cuda_allocated_bytes"] >= 0).any())
+    out.append(Recorded("CUDA memory (allocated, reserved, peak)", cuda,
+                        "every step" if cuda else f"no GPU (device: {rt.meta.get('device', 'unknown')})"))
+    census = int((steps["live_tensors"] >= 0).sum()) if n else 0
+    out.append(Recorded("Census of live tensors", census > 0,
+                        f"{census:,} {'census' if census == 1 else 'censuses'}, every {cfg.get('census_every', '?')} steps or fewer"
+                        if census else "not recorded"))
+    dropped = int(rt.meta.get("dropped_steps", 0) or 0)
+    out.append(Recorded("Every step", dropped == 0, "no step dropped" if not dropped else
+                        f"{plural(dropped, 'step')} dropped: the writer fell behind"))
+    return out
+
+
+def model_summary(ctx: Context) -> str:
+    text = str(ctx.focus.meta.get("model_summary", ""))
+    lines = text.splitlines()
+    if len(lines) > MAX_SUMMARY_LINES:
+        text = "\n".join(lines[:MAX_SUMMARY_LINES]) + f"\n… {len(lines) - MAX_SUMMARY_LINES:,} more lines"
+    return text
+
+
+def _sampled(what: str, frame, every, option: str) -> Recorded:
+    if frame is None or len(frame) == 0:
+        return Recorded(what, False, f"none recorded (Recorder option {option})")
+    return Recorded(what, True, f"every {every if every is not None else '?'} steps: {plural(len(frame), 'sample')}")
+
+
+def _safe(read):
+    try:
+        return read()
+    except TraceError:
+        return None
+
+
+def _last_finite_row(x: np.ndarray) -> int:
+    """The last row whose value is finite, else the last row."""
+    ok = np.flatnonzero(np.isfinite(x))
+    return int(ok[-1]) if ok.size else len(x) - 1
+
+
+def _at(frame, i: int, j: int) -> str:
+    return format_number(frame.iat[i, j]) if frame is not None and len(frame) else ""
+
+
+def _rows_kept(names: list[str], findings: list[Finding], rank: int) -> tuple[list[int], int]:
+    """Indices of the rows shown: all, or the ones findings name and then the first ones."""
+    if len(names) <= MAX_ROWS:
+        return list(range(len(names))), 0
+    named = {w for f in findings if f.rank in (None, rank) for w in f.where}
+    pinned = [j for j, n in enumerate(names) if n in named][: MAX_ROWS // 2]
+    rest = [j for j in range(len(names)) if j not in set(pinned)][: MAX_ROWS - len(pinned)]
+    return sorted(pinned + rest), len(names) - len(pinned) - len(rest)
+
+
+def _more(n: int, what: str) -> str:
+    return (f"{plural(n, 'more ' + what)} not shown (read them with torchautopsy.load(run_dir): "
+            f"trace.ranks[r].param_stat(...) / .module_stat())") if n else ""

@@ -1,0 +1,113 @@
+"""Build a report once (facts, verdict, findings with their figures, overview, appendix) as plain
+data; html.py and pdf.py only lay it out. Bounded whatever the run: at most MAX_FULL_FINDINGS
+findings in full, MAX_FIGURES finding figures, MAX_WHERE names per finding, tables cut to
+appendix.MAX_ROWS rows, heatmaps to overview.HEATMAP_ROWS x HEATMAP_COLS, lines to
+plots.MAX_POINTS points each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .. import __version__
+from ..analyzer.config import AnalysisConfig
+from ..analyzer.findings import Finding, sort_findings
+from ..analyzer.trace import Trace
+from . import appendix, overview
+from .context import Context, no_figure
+from .format import evidence_rows, shorten
+from .model import Figure, FindingView, Report, Table
+from .sections import section
+from .summary import build_verdict, recorder_settings, run_facts
+
+MAX_FULL_FINDINGS = 30
+MAX_FIGURES = 16
+MAX_WHERE = 20
+
+# progress(done, total, what is being done now)
+Progress = Callable[[int, int, str], None]
+
+
+def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | None = None,
+                 progress: Progress | None = None) -> Report:
+    """The report of ``trace`` and its ``findings``: most severe first, then by step."""
+    findings = sort_findings(findings)
+    ctx = Context(trace, findings, cfg or AnalysisConfig())
+    shown = findings[:MAX_FULL_FINDINGS]
+    anchors = {id(f): f"finding-{i + 1}" for i, f in enumerate(shown)}
+
+    figures: dict[int, Figure | None] = {}
+    tasks: list[tuple[str, Callable[[], object]]] = []
+    shared: dict[tuple[str, int | None], Finding] = {}  # (kind, rank) -> the finding whose figure serves all
+    for i, f in enumerate(shown):
+        if i >= MAX_FIGURES or f.step is None:
+            continue
+        if getattr(section(f.kind), "SHARED_FIGURE", False):
+            first = shared.setdefault((f.kind, f.rank), f)
+            if first is not f:
+                where = f" ({first.where[0] or '(model)'})" if first.where else ""
+                figures[i] = no_figure("", f"The figure of the {f.kind} finding above{where} shows this "
+                                           f"one too: it draws every activation these findings name.")
+                continue
+        tasks.append((f"figure: {f.kind}", lambda i=i, f=f: figures.__setitem__(i, _finding_figure(ctx, f))))
+    overview_figs: list[Figure] = []
+    for name in overview.FIGURES:
+        tasks.append((f"overview: {name}", lambda name=name: overview_figs.append(_safe_figure(
+            name, lambda: overview.build(ctx, name)))))
+    tables: list[Table] = []
+    tasks.append(("appendix: parameters", lambda: tables.append(appendix.parameter_table(ctx))))
+    tasks.append(("appendix: modules", lambda: tables.append(appendix.module_table(ctx))))
+    for done, (label, run) in enumerate(tasks):
+        if progress:
+            progress(done, len(tasks), label)
+        run()
+    if progress:
+        progress(len(tasks), len(tasks), "done")
+
+    views = []
+    for i, f in enumerate(shown):
+        fig = figures.get(i)
+        if fig is None and i >= MAX_FIGURES and f.step is not None:
+            fig = no_figure("", f"No figure: only the first {MAX_FIGURES} findings of a report have one.")
+        views.append(FindingView(
+            anchor=anchors[id(f)], kind=f.kind, severity=f.severity, step=f.step,
+            rank=f.rank if len(trace.ranks) > 1 else None,
+            where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
+            summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
+    return Report(
+        title=f"torchautopsy report: {trace.run_dir}",
+        run_dir=trace.run_dir,
+        version=__version__,
+        facts=run_facts(trace),
+        settings=recorder_settings(trace),
+        verdict=build_verdict(findings, len(trace.ranks), anchors),
+        findings=views,
+        more_findings=_more_findings(findings[MAX_FULL_FINDINGS:]),
+        overview=overview_figs,
+        tables=tables,
+        recorded=appendix.recorded(ctx),
+        model_summary=appendix.model_summary(ctx),
+    )
+
+
+def _finding_figure(ctx: Context, f: Finding) -> Figure | None:
+    return _safe_figure(f.kind, lambda: section(f.kind).figure_for(ctx, f))
+
+
+def _safe_figure(what: str, build: Callable[[], Figure | None]) -> Figure | None:
+    """A figure whose data cannot be prepared says so; the rest of the report still comes."""
+    try:
+        return build()
+    except Exception as e:
+        return no_figure(what, f"This figure could not be drawn ({type(e).__name__}: {e}); "
+                               "please report it with this trace.")
+
+
+def _more_findings(rest: list[Finding]) -> Table | None:
+    if not rest:
+        return None
+    rows = [(f.severity, f.kind, "" if f.step is None else f"{f.step:,}", "" if f.rank is None else str(f.rank),
+             shorten(", ".join(w or "(model)" for w in f.where[:3]) + (" …" if len(f.where) > 3 else ""), 80),
+             shorten(f.summary, 240)) for f in rest]
+    return Table(f"{len(rest):,} more findings", "One line each; the JSON report (--json) holds them in full.",
+                 ("severity", "kind", "step", "rank", "where", "summary"), rows,
+                 (False, False, True, True, False, False), widths=(9, 16, 7, 5, 22, 41))

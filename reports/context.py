@@ -1,0 +1,181 @@
+"""What every section builder needs: the trace, the findings, the thresholds, and reads of the
+trace made once per report (a statistic read for one figure is reused by the next)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ..analyzer.config import AnalysisConfig
+from ..analyzer.errors import TraceError
+from ..analyzer.findings import Finding
+from ..analyzer.trace import RankTrace, Trace
+from . import plots
+from .model import Figure
+
+# A run longer than this is shown, in a finding's own figure, around its step: this many steps
+# before it and a fifth as many after (the overview shows the whole run).
+ZOOM_STEPS = 1000
+
+
+@dataclass
+class Context:
+    trace: Trace
+    findings: list[Finding]
+    cfg: AnalysisConfig
+    _cache: dict = field(default_factory=dict)
+
+    # -- reads, cached ----------------------------------------------------------------------------
+    def rank(self, rank: int | None) -> RankTrace:
+        return self.trace.ranks.get(rank, self.focus) if rank is not None else self.focus
+
+    @property
+    def focus(self) -> RankTrace:
+        """The rank of the first finding that names one, else the lowest rank."""
+        for f in self.findings:
+            if f.rank in self.trace.ranks and f.severity != "info":
+                return self.trace.ranks[f.rank]
+        return next(iter(self.trace.ranks.values()))
+
+    def _cached(self, key, read: Callable):
+        if key not in self._cache:
+            try:
+                self._cache[key] = read()
+            except TraceError:
+                self._cache[key] = None  # a part that cannot be read is drawn as "not recorded"
+        return self._cache[key]
+
+    def param(self, rt: RankTrace, stat: str) -> pd.DataFrame:
+        return self._cached((rt.rank, "param", stat), lambda: rt.param_stat(stat))
+
+    def module(self, rt: RankTrace) -> pd.DataFrame:
+        return self._cached((rt.rank, "module"), lambda: rt.module_stat("output_absmax"))
+
+    def activation(self, rt: RankTrace, stat: str) -> pd.DataFrame | None:
+        return self._cached((rt.rank, "act", stat), lambda: rt.activation_stat(stat))
+
+    def updates(self, rt: RankTrace) -> pd.DataFrame | None:
+        return self._cached((rt.rank, "upd"), rt.update_ratio)
+
+    def attention(self, rt: RankTrace, stat: str) -> pd.DataFrame | None:
+        return self._cached((rt.rank, "attn", stat), lambda: rt.attention_stat(stat))
+
+    def dead_shares(self, rt: RankTrace) -> pd.DataFrame | None:
+        """Windows x activation sites: the share of each site's units never positive in the
+        window (NaN where the site ran in under half of the window's steps). Index: the
+        window's last step; ``attrs["window_starts"]``: its first. Streams over windows: memory
+        bounded by the number of units."""
+        return self._cached((rt.rank, "dead"), lambda: _dead_shares(rt))
+
+    def weights(self, rt: RankTrace) -> list[str]:
+        """Weight matrices and kernels (2+ dimensions), or every parameter if there are none."""
+        names = [n for n, s in zip(rt.param_names, rt.param_shapes) if len(s) >= 2]
+        return names or list(rt.param_names)
+
+    # -- what figures share -----------------------------------------------------------------------
+    def span(self, rt: RankTrace) -> tuple[float, float] | None:
+        idx = rt.step_index
+        return (float(idx[0]), float(idx[-1])) if len(idx) > 1 else None
+
+    def window(self, rt: RankTrace, step: int | None) -> tuple[tuple[float, float] | None, str]:
+        """The steps a finding's figure shows, and a caption note when that is not the whole run."""
+        full = self.span(rt)
+        if full is None or step is None or full[1] - full[0] <= ZOOM_STEPS * 1.2:
+            return full, ""
+        lo = max(full[0], step - ZOOM_STEPS)
+        hi = min(full[1], step + ZOOM_STEPS // 5)
+        return (lo, hi), f" Steps {int(lo):,}-{int(hi):,} around the event; the overview shows the whole run."
+
+    def marks(self, rank: int | None = None, only: Finding | None = None, kind: str | None = None,
+              labels: bool = True) -> list[plots.Mark]:
+        """(step, severity, label) of each finding with a step (on ``rank``, of ``kind`` if
+        given; only ``only`` if given); no repeats. Without ``labels`` they stay out of legends."""
+        chosen = [only] if only is not None else self.findings
+        seen: dict[tuple[int, str], plots.Mark] = {}
+        for f in chosen:
+            if f.step is not None and (rank is None or f.rank in (None, rank)) and kind in (None, f.kind):
+                label = f"{f.kind}, step {f.step:,}" if labels else ""
+                seen.setdefault((f.step, f.kind), (f.step, f.severity, label))
+        return list(seen.values())
+
+    def title_rank(self, title: str, rank: int | None) -> str:
+        return f"{title} (rank {rank})" if len(self.trace.ranks) > 1 and rank is not None else title
+
+
+def figure(title: str, caption: str, plot: Callable, *args, height_in: float = 2.8, **kwargs) -> Figure:
+    """Draw a figure; a figure that fails to draw says so instead of breaking the report."""
+    try:
+        png = plots.render_png(plot, *args, height_in=height_in, **kwargs)
+    except Exception as e:  # a bug in one figure must not lose the rest of the report
+        return Figure(title, f"{caption} (This figure could not be drawn: {type(e).__name__}: {e}.)", None)
+    return Figure(title, caption, png, plots.FIG_WIDTH_IN, height_in)
+
+
+def undrawn(named, drawn) -> str:
+    """A caption note for the names a finding gives that a log-scale figure could not draw."""
+    left = [n for n in dict.fromkeys(named) if n not in set(drawn)]
+    if not left:
+        return ""
+    shown = ", ".join(n or "(model)" for n in left[:5]) + (" …" if len(left) > 5 else "")
+    return (f" Named by the finding but not drawn, having no finite non-zero value to place on a log "
+            f"scale (exactly 0, or NaN/Inf throughout): {shown}.")
+
+
+def no_figure(title: str, why: str) -> Figure:
+    return Figure(title, why, None)
+
+
+def rows_between(frame: pd.DataFrame, span: tuple[float, float] | None) -> pd.DataFrame:
+    if span is None:
+        return frame
+    idx = frame.index.to_numpy()
+    return frame.iloc[(idx >= span[0]) & (idx <= span[1])]
+
+
+def first_nonfinite(frame: pd.DataFrame, columns, after: float | None = None) -> list[tuple[float, str]]:
+    """(step, column) of the first NaN/Inf of each column (at or after ``after``)."""
+    out = []
+    idx = frame.index.to_numpy()
+    for c in columns:
+        v = frame[c].to_numpy(dtype=np.float64)
+        bad = ~np.isfinite(v) & (v != -1)  # -1: module not called (not a NaN)
+        if after is not None:
+            bad &= idx >= after
+        hits = np.flatnonzero(bad)
+        if hits.size:
+            out.append((float(idx[hits[0]]), str(c)))
+    return out
+
+
+def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
+    sites = rt.activity_sites
+    if len(sites) == 0:
+        return None
+    labels = [_site_label(m, fn, c) for m, fn, c in zip(sites["module"], sites["function"], sites["call"])]
+    counts = Counter(labels)
+    labels = [lab if counts[lab] == 1 else f"{lab} [{i}]" for i, lab in enumerate(labels)]
+    spans = [(int(o), int(o + u)) for o, u in zip(sites["bit_offset"], sites["units"])]
+    rows, starts, ends = [], [], []
+    for start, end, seen, bits, _ in rt.activity_windows():
+        length = end - start + 1
+        row = []
+        for j, (a, b) in enumerate(spans):
+            ok = j < len(seen) and seen[j] >= 0.5 * length and b > a
+            row.append(1.0 - float(bits[a:b].mean()) if ok else np.nan)
+        rows.append(row)
+        starts.append(start)
+        ends.append(end)
+    if not rows:
+        return None
+    frame = pd.DataFrame(rows, index=pd.Index(ends, name="step"), columns=labels)
+    frame.attrs["window_starts"] = starts
+    return frame
+
+
+def _site_label(module: str, function: str, call: int) -> str:
+    name = module or "(model)"
+    return name if int(call) == 0 else f"{name} ({function} #{int(call)})"

@@ -1,0 +1,97 @@
+"""Numbers and evidence as a reader wants them, as plain text (each renderer escapes it)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .model import EvidenceRow
+
+# Evidence is shown in full up to these bounds; a trace could hold a dict of every parameter.
+MAX_EVIDENCE_ITEMS = 40
+MAX_EVIDENCE_DEPTH = 3
+MAX_TEXT_CHARS = 4000
+
+
+def evidence_rows(evidence: dict, depth: int = 0) -> list[EvidenceRow]:
+    """``[(key, value)]`` where each value is a string or, for a nested dict, rows again."""
+    items = list(evidence.items())
+    rows: list[EvidenceRow] = [(str(k), _evidence_value(v, depth)) for k, v in items[:MAX_EVIDENCE_ITEMS]]
+    if len(items) > MAX_EVIDENCE_ITEMS:
+        rows.append(("…", f"{len(items) - MAX_EVIDENCE_ITEMS} more entries not shown"))
+    return rows
+
+
+def _evidence_value(v, depth: int):
+    if isinstance(v, dict) and v and depth < MAX_EVIDENCE_DEPTH:
+        return evidence_rows(v, depth + 1)
+    return format_value(v)
+
+
+def format_value(v) -> str:
+    """A number or small structure as a reader wants it: 4 significant digits, NaN/Inf named."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "Inf" if v > 0 else "-Inf"
+        return f"{v:.0f}" if 1e4 <= abs(v) < 1e6 else f"{v:.4g}"  # 12346, not 1.235e+04
+    if isinstance(v, (list, tuple)):
+        shown = ", ".join(format_value(x) for x in v[:MAX_EVIDENCE_ITEMS])
+        more = f", … ({len(v)} items)" if len(v) > MAX_EVIDENCE_ITEMS else ""
+        return f"[{shown}{more}]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {format_value(x)}" for k, x in v.items()) + "}"
+    text = str(v)
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + " …(truncated)"
+
+
+def format_number(v: float | None) -> str:
+    """A statistic in a table cell: 3 significant digits; NaN, Inf and absent named."""
+    if v is None:
+        return ""
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "Inf" if v > 0 else "-Inf"
+    if v == 0:
+        return "0"
+    return f"{v:.3g}"
+
+
+def format_bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def format_duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "unknown"
+    if s < 60:
+        return f"{s:.1f} s"
+    m, s = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min {s:02d} s"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut in the middle to ``width`` characters (names keep their start and their end)."""
+    if len(text) <= width:
+        return text
+    half = (width - 1) // 2
+    return text[:half] + "…" + text[len(text) - (width - 1 - half):]

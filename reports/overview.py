@@ -1,0 +1,171 @@
+"""The overview: the whole run at a glance. Loss, gradient norm per layer x step, update ratios,
+memory, and a timeline of the findings. Long runs are bucketed (max, or min and max, per bucket)
+so that a million steps draw as fast as a thousand and no spike is lost."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from . import plots
+from .context import Context, figure, no_figure
+from .model import Figure
+
+# The heatmap: at most this many rows (more layers are merged, max per group) and step columns.
+HEATMAP_ROWS = 48
+HEATMAP_COLS = 400
+# The timeline: at most this many findings (the most severe first, as the report lists them).
+TIMELINE_ROWS = 30
+MIB = 2**20
+
+# name -> builder; the overview shows them in this order.
+FIGURES = ("loss", "grad_heatmap", "update_ratios", "memory", "step_time", "timeline")
+
+
+def build(ctx: Context, name: str) -> Figure:
+    return globals()[f"_{name}"](ctx)
+
+
+def _loss(ctx: Context) -> Figure:
+    title = "Loss"
+    multi = len(ctx.trace.ranks) > 1
+    losses = {(f"rank {r}" if multi else "loss"): rt.steps["loss"] for r, rt in ctx.trace.ranks.items()}
+    if not any(np.isfinite(s.to_numpy()).any() for s in losses.values()):
+        return no_figure(title, "No finite loss was recorded (was rec.step() called with loss=?).")
+    caption = ("Loss per step (log scale when it spans more than two orders of magnitude). Dotted "
+               "vertical lines mark the first step of each finding (see the timeline); gaps are steps "
+               "whose loss was NaN or Inf.")
+    return figure(title, caption, plots.plot_loss, losses, marks=ctx.marks())
+
+
+def _grad_heatmap(ctx: Context) -> Figure:
+    rt = ctx.focus
+    title = ctx.title_rank("Gradient norm per layer and step", rt.rank)
+    g = ctx.param(rt, "grad_norm")
+    bad = ctx.param(rt, "grad_nonfinite")
+    names = ctx.weights(rt)
+    if g is None or rt.n_steps == 0 or not names:
+        return no_figure(title, "No gradient norms were recorded.")
+    cols = [rt.param_names.index(n) for n in names]
+    v = g.to_numpy(dtype=np.float64)[:, cols]
+    nonfinite = (bad.to_numpy()[:, cols] > 0) if bad is not None else ~np.isfinite(v)
+    nonfinite |= np.isinf(v)
+    v = np.where(np.isfinite(v) & (v > 0), v, np.nan)
+    # Step buckets (columns), max per bucket: an explosion of one step stays visible.
+    steps = g.index.to_numpy()
+    edges = plots.bucket_edges(len(steps), HEATMAP_COLS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        vb = np.fmax.reduceat(v, edges[:-1], axis=0)
+        nb = np.logical_or.reduceat(nonfinite, edges[:-1], axis=0)
+        # Layer groups (rows), when there are too many to show one each.
+        row_edges = plots.bucket_edges(len(names), HEATMAP_ROWS)
+        vb = np.fmax.reduceat(vb, row_edges[:-1], axis=1)
+        nb = np.logical_or.reduceat(nb, row_edges[:-1], axis=1)
+    labels = [names[a] if b - a == 1 else f"{names[a]} (+{b - a - 1})" for a, b in zip(row_edges[:-1], row_edges[1:])]
+    x_edges = np.append(steps[edges[:-1]], steps[-1] + 1).astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logv = np.log10(vb)
+    kind = "weight matrices and kernels" if len(names) < len(rt.param_names) or all(
+        len(s) >= 2 for s in rt.param_shapes) else "parameters"
+    caption = (f"log10 of the gradient L2 norm of each of the {len(names):,} {kind} (rows, in "
+               f"definition order: input side at the top) at each step (columns). Red: NaN/Inf; grey: "
+               f"no gradient, or exactly zero.")
+    if ctx.marks(rt.rank):
+        caption += " Dotted vertical lines mark the findings' steps."
+    if len(edges) - 1 < len(steps):
+        caption += f" Each column is the largest norm over {len(steps) / (len(edges) - 1):.0f} steps."
+    if len(row_edges) - 1 < len(names):
+        caption += " Each row is the largest norm over a group of consecutive tensors, named by its first."
+    n_rows = len(labels)
+    height = float(np.clip(1.1 + 0.14 * n_rows, 2.4, 7.5))
+    return figure(title, caption, plots.plot_heatmap, logv.T, labels, x_edges, nonfinite=nb.T,
+                  cbar_label="log10 gradient L2 norm", marks=ctx.marks(rt.rank, labels=False), height_in=height)
+
+
+def _update_ratios(ctx: Context) -> Figure:
+    rt = ctx.focus
+    title = ctx.title_rank("Update-to-weight ratios", rt.rank)
+    upd = ctx.updates(rt)
+    min_ndim = ctx.cfg.update_ratio.min_ndim
+    cols = [n for n, s in zip(rt.param_names, rt.param_shapes) if len(s) >= min_ndim]
+    if upd is None or upd.empty or not cols:
+        return no_figure(title, "No update ratios were recorded (Recorder option update_ratio_every).")
+    u = upd[cols].to_numpy(dtype=np.float64)
+    u = np.where(np.isfinite(u) & (u > 0), u, np.nan)
+    x = upd.index.to_numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, mid, hi = np.nanmin(u, axis=1), np.nanmedian(u, axis=1), np.nanmax(u, axis=1)
+    named = [w for f in ctx.findings if f.kind == "update_ratio" and f.rank in (None, rt.rank)
+             for w in f.where if w in upd.columns][:6]
+    lines = [plots.Line("largest", x, hi, color="#ef9a9a", width=1.0),
+             plots.Line("median", x, mid, color="#37474f", width=1.8),
+             plots.Line("smallest", x, lo, color="#90caf9", width=1.0)]
+    lines += [plots.Line(n, x, upd[n].to_numpy(dtype=float), emphasis=True) for n in named]
+    cfg = ctx.cfg.update_ratio
+    hlines = [(1e-3, "usual ~1e-3", "#2e7d32", "--"), (cfg.too_large, f"too large ({cfg.too_large:g})", "#c62828", "--"),
+              (cfg.too_small, f"too small ({cfg.too_small:g})", "#c62828", "--")]
+    caption = (f"||Δw|| / ||w|| of one optimizer step, at each sampled step: the median, largest and "
+               f"smallest over the {len(cols):,} weight tensors of {min_ndim}+ dimensions (log scale)")
+    caption += ("; thick: the tensors an update_ratio finding names." if named else ".")
+    caption += " Dotted vertical lines mark the findings' steps (see the timeline)." if ctx.marks(rt.rank) else ""
+    return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="update / weight",
+                  hlines=hlines, marks=ctx.marks(rt.rank, labels=False), xspan=ctx.span(rt))
+
+
+def _memory(ctx: Context) -> Figure:
+    title = "Memory"
+    series = {}
+    multi = len(ctx.trace.ranks) > 1
+    for r, rt in ctx.trace.ranks.items():
+        df = rt.steps
+        x = df.index.to_numpy()
+        for col, label in (("rss_bytes", "resident (RSS)"), ("cuda_allocated_bytes", "CUDA allocated"),
+                           ("cuda_reserved_bytes", "CUDA reserved")):
+            y = df[col].to_numpy(dtype=float)
+            if (y >= 0).any():
+                series[f"rank {r} {label}" if multi else label] = (x, np.where(y >= 0, y / MIB, np.nan))
+    if not series:
+        return no_figure(title, "No memory was recorded.")
+    caption = ("Memory per step, in MiB: the process's resident memory and, on a GPU, the CUDA "
+               "allocator's allocated and reserved bytes.")
+    if ctx.marks():
+        caption += " Dotted vertical lines mark the findings' steps (see the timeline)."
+    return figure(title, caption, plots.plot_memory, series, marks=ctx.marks(labels=False))
+
+
+def _step_time(ctx: Context) -> Figure:
+    from .sections._step_time import phase_list, step_time_figure
+
+    rt = ctx.focus
+    caption = (f"Time of each step (host clock) split into the phases the recorder times ({phase_list()}), "
+               f"stacked, in ms.")
+    return step_time_figure(ctx, rt, ctx.title_rank("Step time by phase", rt.rank), caption)
+
+
+def _timeline(ctx: Context) -> Figure:
+    title = "Timeline of the findings"
+    dated = [f for f in ctx.findings if f.step is not None]
+    if not dated:
+        return no_figure(title, "No finding has a step to place on a timeline.")
+    shown = sorted(dated[:TIMELINE_ROWS], key=lambda f: (f.step, f.rank or 0))
+    multi = len(ctx.trace.ranks) > 1
+    events = []
+    for f in shown:
+        where = f.where[0] if f.where else ""
+        if f.where and not where:
+            where = "(model)"
+        label = f.kind + (f" · {where}" if where else "") + (f" · rank {f.rank}" if multi and f.rank is not None else "")
+        events.append((label, int(f.step), f.severity))
+    ends = [e[1] for e in events] + [int(rt.step_index[i]) for rt in ctx.trace.ranks.values()
+                                     if rt.n_steps for i in (0, -1)]
+    lo, hi = min(ends), max(ends)
+    caption = ("Each finding at the first step it shows, in order of time, over the whole run; "
+               "colour: severity.")
+    if len(dated) > len(shown):
+        caption += f" {len(dated) - len(shown):,} more findings with a step are not drawn."
+    height = float(np.clip(0.9 + 0.22 * len(events), 1.6, 7.5))
+    return figure(title, caption, plots.plot_timeline, events, xspan=(float(lo), float(max(hi, lo + 1))),
+                  height_in=height)

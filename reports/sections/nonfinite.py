@@ -1,0 +1,96 @@
+"""nonfinite: where NaN/Inf was born. A forward birth shows the max |output| of the module that
+produced it and of its neighbours; a backward or optimizer birth, the gradient norms; a birth in
+the batch or the loss, the loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...analyzer.findings import Finding
+from .. import plots
+from ..context import Context, figure, first_nonfinite, no_figure, rows_between, undrawn
+from ..model import Figure, Text
+from ._text import name, names, step, text
+
+KIND = "nonfinite"
+# Modules drawn beside the one that produced the NaN: its nearest neighbours in definition order.
+NEIGHBOURS = 8
+
+
+def phrase(fs: list[Finding]) -> Text:
+    f = fs[0]
+    stage = f.evidence.get("stage")
+    at = step(f.step)
+    if stage == "forward" and f.where:
+        return text(f"NaN/Inf appeared at {at} in the forward pass of ", name(f.where[0]))
+    if stage == "batch":
+        return text(f"the input batch of {at} held NaN/Inf")
+    if stage == "loss":
+        return text(f"the loss went NaN/Inf at {at} while every module output was finite")
+    if stage == "backward" and f.where:
+        return text("the gradient of ", name(f.where[0]), f" went NaN/Inf at {at} in the backward pass")
+    if stage == "optimizer":
+        return text("weights (", names(f.where), f") went NaN/Inf in the optimizer update of {at}")
+    return text(f"NaN/Inf appeared at {at}")
+
+
+def figure_for(ctx: Context, f: Finding) -> Figure:
+    rt = ctx.rank(f.rank)
+    stage = f.evidence.get("stage")
+    span, note = ctx.window(rt, f.step)
+    if stage == "forward" and f.where and f.where[0] in rt.module_names:
+        return _forward(ctx, f, rt, span, note)
+    if stage in ("backward", "optimizer"):
+        return _gradients(ctx, f, rt, span, note)
+    title = ctx.title_rank("Loss around the first NaN/Inf", f.rank)
+    loss = rt.steps["loss"]
+    if not np.isfinite(loss.to_numpy()).any():
+        return no_figure(title, "No finite loss was recorded.")
+    caption = (f"Loss per step; the dotted line marks {step(f.step)}, where NaN/Inf first appeared "
+               f"({stage or 'unknown stage'}). The line stops where the loss went NaN/Inf.{note}")
+    caption = caption.replace(" The line stops", " A red cross on the top edge marks it; the line stops")
+    return figure(title, caption, plots.plot_loss, {"loss": rows_between(loss.to_frame(), span)["loss"]},
+                  marks=ctx.marks(only=f), xspan=span, nonfinite_at=[(float(f.step), "loss")])
+
+
+def _forward(ctx, f, rt, span, note) -> Figure:
+    title = ctx.title_rank("Module outputs around the first NaN/Inf", f.rank)
+    out = ctx.module(rt)
+    origin = rt.module_names.index(f.where[0])
+    leaves = [j for j in range(len(rt.module_names)) if rt.module_is_leaf[j] and j != origin]
+    near = sorted(leaves, key=lambda j: (abs(j - origin), j))[:NEIGHBOURS]
+    cols = [rt.module_names[j] for j in sorted(near + [origin])]
+    frame = rows_between(out[cols], span)
+    lines = [plots.Line(c or "(model)", frame.index.to_numpy(), frame[c].to_numpy(), emphasis=c == f.where[0])
+             for c in cols]
+    crosses = first_nonfinite(frame, cols)
+    caption = (f"Largest |output| of {name_text(f.where[0])}, where NaN/Inf was born (thick), and of "
+               f"the {len(near)} leaf modules defined nearest to it, per step, log scale. Red crosses on "
+               f"the top edge mark each module's first non-finite output; the lines stop there. The "
+               f"dotted line marks {step(f.step)}.{note}")
+    return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="max |output|",
+                  marks=ctx.marks(only=f), xspan=span, nonfinite_at=crosses)
+
+
+def _gradients(ctx, f, rt, span, note) -> Figure:
+    title = ctx.title_rank("Gradient norms around the first NaN/Inf", f.rank)
+    g = ctx.param(rt, "grad_norm")
+    bad = ctx.param(rt, "grad_nonfinite")
+    if g is None or bad is None:
+        return no_figure(title, "No gradient statistics were recorded.")
+    cols = list(dict.fromkeys([w for w in f.where if w in g.columns] + ctx.weights(rt)))
+    frame = rows_between(g[cols], span)
+    drawn = plots.largest_columns(frame, plots.MAX_LINES, keep=f.where)
+    lines = [plots.Line(c, frame.index.to_numpy(), frame[c].to_numpy(), emphasis=c in f.where) for c in drawn]
+    shown = list(dict.fromkeys(drawn + [w for w in f.where if w in bad.columns]))
+    b = rows_between(bad[shown], span)
+    crosses = first_nonfinite(b.where(b <= 0, np.nan), shown)
+    caption = (f"Gradient L2 norm per weight tensor, per step, log scale; thick: the parameters the "
+               f"finding names. Red crosses mark each parameter's first gradient holding NaN/Inf. The "
+               f"dotted line marks {step(f.step)}.{note}{undrawn(f.where, drawn)}")
+    return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="gradient L2 norm",
+                  marks=ctx.marks(only=f), xspan=span, nonfinite_at=crosses)
+
+
+def name_text(n: str) -> str:
+    return n or "the model itself"

@@ -1,0 +1,48 @@
+"""Reports of the shipped sample traces (real runs that went wrong in each way the analyzer
+knows): every finding in the HTML and the PDF with its own figure, within the size bounds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from markupsafe import escape
+from reports_testlib import SAMPLES, pdf_pages_text, sample_cases, sample_report, squeeze
+from test_report_html import assert_self_contained, images
+
+from torchautopsy.reports.build import MAX_FIGURES
+
+MAX_HTML_BYTES = 3 * 2**20  # the issue's bound for the sample traces
+
+
+def one_case_per_kind() -> list[str]:
+    """The first sample of each expected kind (and one healthy run): every kind's figure is drawn
+    without building all the samples, which would take most of the tests' time."""
+    if not sample_cases():
+        return []
+    expected = json.loads((SAMPLES / "expected.json").read_text())
+    chosen: dict = {}
+    for case in sorted(expected):
+        chosen.setdefault(expected[case]["kind"], case)
+    return sorted(chosen.values())
+
+
+@pytest.mark.parametrize("case", one_case_per_kind() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no sample traces (sample_traces/expected.json)"))])
+def test_sample_report(case):
+    trace, findings, report, html, pdf = sample_report(case)
+    assert len(html.encode()) < MAX_HTML_BYTES and len(pdf) < MAX_HTML_BYTES
+    assert_self_contained(html)
+    text = squeeze("\n".join(pdf_pages_text(pdf)))
+    for i, (f, view) in enumerate(zip(findings, report.findings)):
+        assert str(escape(f.summary)) in html, f.kind
+        assert squeeze(f.summary) in text, f.kind
+        if f.step is not None and i < MAX_FIGURES:
+            assert view.figure is not None, f.kind  # each finding with a step has a figure ...
+            assert view.figure.png or "shows this one too" in view.figure.caption, (f.kind, view.figure.caption)
+    captions = [fig.caption for fig in report.overview] + [v.figure.caption for v in report.findings if v.figure]
+    assert not [c for c in captions if "could not be drawn" in c]
+    drawn = [fig for fig in report.overview if fig.png]
+    assert len(drawn) >= 3  # loss, gradient heatmap, memory at least
+    assert len(images(html)) == len(drawn) + sum(1 for v in report.findings if v.figure and v.figure.png)
+    assert 1 <= len(pdf_pages_text(pdf)) <= 40
