@@ -188,7 +188,8 @@ def _census(rt, steps, evidence) -> tuple[str, str]:
     if sel.sum() < 2:
         return ("No tensor census covers the growth (it runs every census_every steps).", _ADVICE_OTHER)
     xs = steps[sel].astype(float)
-    n_slope, g_slope, b_slope = (float(np.polyfit(xs, a[sel], 1)[0]) for a in (n, g, b))
+    # (a least-squares slope of a constant series is ~1e-18, not 0: round that noise away)
+    n_slope, g_slope, b_slope = (round(float(np.polyfit(xs, a[sel], 1)[0]), 6) for a in (n, g, b))
     evidence.update({
         "census_steps": int(sel.sum()),
         "live_tensors": [int(n[sel][0]), int(n[sel][-1])],
