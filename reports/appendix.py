@@ -53,6 +53,40 @@ def parameter_table(ctx: Context) -> Table:
                  more=_more(more, "parameter"), widths=(34, 12, 10, 10, 10, 10, 10))
 
 
+# Operators listed from a profiler window.
+MAX_OPS = 15
+
+
+def profile_table(ctx: Context) -> Table | None:
+    """The slowest operators (self CPU time) of the last profiler window, or None without one."""
+    rt = ctx.focus
+    windows = _safe(lambda: rt.profile_windows)
+    if windows is None or not len(windows):
+        return None
+    last = windows.iloc[-1]
+    w = int(last["window"])
+    ops = _safe(lambda: rt.profile_ops(w))
+    if ops is None or not len(ops):
+        return None
+    steps = int(last["step_end"]) - int(last["step_start"]) + 1
+    cpu_total = float(ops["cpu_self_us"].sum()) or 1.0
+    dev = bool((ops["device_self_us"] > 0).any())
+    cols = ("operator", "calls", "self CPU ms / step", "share of CPU") + (("self device ms / step",) if dev else ())
+    rows = []
+    for r in ops.head(MAX_OPS).itertuples():
+        row = (r.name, f"{int(r.calls):,}", format_number(r.cpu_self_us / 1e3 / steps),
+               f"{r.cpu_self_us / cpu_total:.0%}")
+        rows.append(row + ((format_number(r.device_self_us / 1e3 / steps),) if dev else ()))
+    caption = (f"torch.profiler window {w}, steps {int(last['step_start']):,}-{int(last['step_end']):,}: the "
+               f"{min(MAX_OPS, len(ops))} operators with the most self CPU time, per step. The whole window "
+               f"opens in Perfetto: torchautopsy export RUN_DIR --profile OUT.json --window {w}.")
+    return Table("Slowest operators" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else ""), caption,
+                 cols, rows, (False,) + (True,) * (len(cols) - 1),
+                 more=(f"{plural(len(ops) - MAX_OPS, 'more operator')} in trace.ranks[r].profile_ops({w})"
+                       if len(ops) > MAX_OPS else ""),
+                 widths=(40, 10, 16, 12) + ((16,) if dev else ()))
+
+
 def module_table(ctx: Context) -> Table:
     rt = ctx.focus
     title = "Modules" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else "")
@@ -135,6 +169,18 @@ def recorded(ctx: Context) -> list[Recorded]:
     out.append(Recorded("Census of live tensors", census > 0,
                         f"{census:,} {'census' if census == 1 else 'censuses'}, every {cfg.get('census_every', '?')} steps or fewer"
                         if census else "not recorded"))
+    timed = int(np.isfinite(steps["forward_s"].to_numpy()).sum()) if n else 0
+    loader = bool(np.isfinite(steps["data_wait_s"].to_numpy()).any()) if n else False
+    out.append(Recorded("Step time by phase", timed > 0,
+                        f"every step; DataLoader wait {'timed' if loader else 'not seen (no DataLoader used)'}"
+                        if timed else "not recorded by this recorder version"))
+    windows = _safe(lambda: rt.profile_windows)
+    nw = 0 if windows is None else len(windows)
+    out.append(Recorded("torch.profiler windows", nw > 0,
+                        f"{plural(nw, 'window')} at steps " + ", ".join(
+                            f"{int(a):,}-{int(b):,}" for a, b in zip(windows["step_start"][:6], windows["step_end"][:6]))
+                        + (" ..." if nw > 6 else "") + " (torchautopsy export RUN_DIR --profile OUT.json)"
+                        if nw else "none (the run ended before the first window, or profile_steps=0)"))
     dropped = int(rt.meta.get("dropped_steps", 0) or 0)
     out.append(Recorded("Every step", dropped == 0, "no step dropped" if not dropped else
                         f"{plural(dropped, 'step')} dropped: the writer fell behind"))

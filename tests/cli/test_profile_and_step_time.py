@@ -82,6 +82,10 @@ def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(tmp
     events = json.loads(out.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::addmm" for e in events)
     assert "profiler     1 window(s) at steps 10-11" in run_cli("info", tmp_path / "run").stdout
+    html = tmp_path / "r.html"
+    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    text = html.read_text()
+    assert "Slowest operators" in text and "aten::addmm" in text and "torch.profiler windows" in text
 
 
 def test_export_errors_are_one_line(tmp_path):
