@@ -99,6 +99,24 @@ class TinyTransformer(nn.Module):
         return self.head(self.layer(x)).mean(1)
 
 
+def train_transformer(run_dir, steps, each_step=None):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(0)
+    with Recorder(model, run_dir) as rec:
+        for step in range(steps):
+            x = torch.randn(8, 12, 16, generator=g)
+            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if each_step:
+                each_step(step, model)
+            rec.step(loss=loss)
+    return load(run_dir)
+
+
 def test_attention_entropy_collapse_is_found_in_the_layer_that_collapsed(tmp_path):
     # From step 40 the query/key projections grow by 30% a step (attention logits blowing up,
     # as with a too-high learning rate): softmax rows go one-hot.
@@ -107,39 +125,14 @@ def test_attention_entropy_collapse_is_found_in_the_layer_that_collapsed(tmp_pat
             with torch.no_grad():
                 model.layer.self_attn.in_proj_weight[:32].mul_(1.3)
 
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    with Recorder(model, tmp_path) as rec:
-        for step in range(100):
-            x = torch.randn(8, 12, 16, generator=g)
-            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            grow(step, model)
-            rec.step(loss=loss)
-    found = of_kind(analyze(load(tmp_path)), "attention_collapse")
+    found = of_kind(analyze(train_transformer(tmp_path, 100, grow)), "attention_collapse")
     entropy = [f for f in found if f.evidence["collapse"] == "entropy"]
     assert entropy, [f.summary for f in found]
     assert entropy[0].where == ["layer.self_attn"] and 40 <= entropy[0].step <= 80
 
 
 def test_healthy_transformer_attention_is_quiet(tmp_path):
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    with Recorder(model, tmp_path) as rec:
-        for step in range(60):
-            x = torch.randn(8, 12, 16, generator=g)
-            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
-    trace = load(tmp_path)
+    trace = train_transformer(tmp_path, 60)
     assert len(trace.ranks[0].attention_sites) == 1  # captured inside TransformerEncoderLayer
     assert [f for f in analyze(trace) if f.severity != "info"] == []
 
