@@ -96,6 +96,8 @@ class Recorder:
         self.attention = None
         self.profiler = None
         self._next_census = 0
+        self._census_peak = 0  # the highest memory a census was taken at
+        self._last_census = -(10**9)
         self._t_step_end: float | None = None
         self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
         self._saw_loader = False
@@ -332,7 +334,7 @@ class Recorder:
         # Sites first seen this step go in the same queue item as the rows that refer to them.
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
-        census, groups = self._census(step)
+        census, groups = self._census(step, alloc if alloc >= 0 else rows["steps"]["rss_bytes"])
         rows["steps"].update(census)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
@@ -359,13 +361,20 @@ class Recorder:
             "recorder_s": self._t_step_end - t_called,
         }
 
-    def _census(self, step: int) -> tuple[dict, list[dict]]:
-        """Live tensor census on a sparse schedule that keeps its cost near 1% of training."""
+    def _census(self, step: int, memory: int) -> tuple[dict, list[dict]]:
+        """Live tensor census on a sparse schedule that keeps its cost near 1% of training, and
+        also when memory (CUDA allocated, else RSS) climbs to a new high: 10% and 64 MiB above
+        the highest a census saw, at least 10 steps after the last one. So the trace knows what
+        held the memory near its peak."""
         none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
         now = time.perf_counter()
         self._step_times.append(now)
-        if step < self._next_census:
+        peak = (memory > 1.1 * self._census_peak and memory - self._census_peak > 64 * 2**20
+                and step - self._last_census >= 10)
+        if step < self._next_census and not peak:
             return none, []
+        self._census_peak = max(self._census_peak, memory)
+        self._last_census = step
         t0 = time.perf_counter()
         n, nbytes, graphs, groups = tensor_census()
         cost = time.perf_counter() - t0
@@ -375,7 +384,7 @@ class Recorder:
         if len(times) > 1:  # keep the census near census_budget (1%) of the time of a step
             step_s = (times[-1] - times[0]) / (len(times) - 1)
             gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
-        self._next_census = step + gap
+        self._next_census = max(self._next_census, step + gap)
         return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}, groups
 
     def _copy_weights(self):

@@ -53,6 +53,38 @@ def parameter_table(ctx: Context) -> Table:
                  more=_more(more, "parameter"), widths=(34, 12, 10, 10, 10, 10, 10))
 
 
+# Tensor groups listed for the memory peak.
+MAX_GROUPS = 10
+
+
+def memory_peak_table(ctx: Context) -> Table | None:
+    """What held the memory at its peak: the largest tensor groups of the census nearest the
+    step of peak memory (CUDA allocated on a GPU, else RSS). None without a census."""
+    rt = ctx.focus
+    groups = _safe(lambda: rt.census_groups)
+    if groups is None or not len(groups) or rt.n_steps == 0:
+        return None
+    steps = rt.steps
+    cuda = bool((steps["cuda_allocated_bytes"] >= 0).all())
+    mem = steps["cuda_allocated_bytes" if cuda else "rss_bytes"].to_numpy(dtype=float)
+    i = int(np.nanargmax(mem))
+    peak_step = int(rt.step_index[i])
+    census_steps = np.array(sorted(groups["step"].unique()))
+    at = int(census_steps[np.argmin(np.abs(census_steps - peak_step))])
+    top = groups[groups["step"] == at].sort_values("bytes", ascending=False)
+    cols = ("device", "dtype", "shape", "autograd graph", "tensors", "MiB")
+    rows = [(r.device, r.dtype, r.shape, "yes" if r.graph else "", f"{int(r.count):,}",
+             format_number(r.bytes / 2**20)) for r in top.head(MAX_GROUPS).itertuples()]
+    what = "GPU memory allocated by tensors" if cuda else "resident memory"
+    caption = (f"The {what} peaked at {mem[i] / 2**20:,.0f} MiB at step {peak_step:,}. The census nearest "
+               f"to it, at step {at:,}, found these tensor groups (same device, dtype and shape) holding the "
+               f"most bytes; storages shared by views count once.")
+    return Table("Memory at its peak" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else ""), caption,
+                 cols, rows, (False, False, False, False, True, True),
+                 more=(f"{plural(len(top) - MAX_GROUPS, 'more group')} in trace.ranks[r].census_groups"
+                       if len(top) > MAX_GROUPS else ""), widths=(10, 10, 24, 12, 10, 10))
+
+
 # Operators listed from a profiler window.
 MAX_OPS = 15
 

@@ -129,3 +129,27 @@ def test_one_slow_batch_is_a_slow_step_in_the_data_phase(tmp_path):
     assert f["severity"] == "info" and f["step"] == 25
     assert f["evidence"]["slowest"][0]["slowest_phase"] == "waiting for data"
     assert [f for f in found if f["kind"] == "dataloader_bottleneck"] == []  # one batch is not a pattern
+
+
+def test_a_memory_peak_gets_a_census_and_the_report_shows_what_held_it(tmp_path):
+    # Steps 30-34 keep a 128 MiB working buffer (think: a large evaluation batch), then free it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    buffer = None
+    with Recorder(model, tmp_path / "run", profile_steps=0) as rec:
+        for step in range(60):
+            buffer = torch.ones(8192, 4096) if 30 <= step < 35 else None
+            loss = model(torch.randn(64, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    del buffer
+    groups = load(tmp_path / "run").ranks[0].census_groups
+    at_peak = groups[(groups["shape"] == "[8192, 4096]")]
+    assert 30 <= int(at_peak["step"].min()) <= 34  # a census was taken while the buffer lived
+    html = tmp_path / "r.html"
+    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    text = html.read_text()
+    assert "Memory at its peak" in text and "[8192, 4096]" in text
