@@ -157,3 +157,23 @@ def test_a_loss_kept_with_its_graph_is_a_leak_and_named_as_such(tmp_path):
     assert 0.5 * 2**20 < f.evidence["bytes_per_step"] < 4 * 2**20, f.evidence
     assert f.evidence["live_tensors_with_graph_per_step"] >= 0.5
     assert "losses.append(loss)" in f.advice
+
+
+class TanhNet(nn.Module):
+    def __init__(self, gain):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 1)
+        with torch.no_grad():
+            self.fc1.weight.mul_(gain)  # inputs far outside tanh's linear range when gain is large
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_saturated_tanh_is_found_and_a_healthy_one_is_not(tmp_path):
+    torch.manual_seed(0)
+    found = of_kind(train(tmp_path / "sat", TanhNet(gain=60.0), lr=1e-4), "saturation")
+    assert [f.where for f in found] == [[""]] and found[0].evidence["function"] == "tanh"
+    assert found[0].severity == "warning" and found[0].evidence["saturated_share"] > 0.5
+    torch.manual_seed(0)
+    assert of_kind(train(tmp_path / "ok", TanhNet(gain=1.0)), "saturation") == []

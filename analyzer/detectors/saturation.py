@@ -1,0 +1,55 @@
+"""saturation: tanh or sigmoid units stuck at their bounds, where their gradient vanishes.
+
+Data: per tanh/sigmoid call site, the share of its outputs within 1% of the bounds in each
+activity window (activity/saturated_frac). Heuristic: in the latest window the share reaches
+`share`: a warning, dated from the first window after which it stayed at or above it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import SaturationConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+KIND = "saturation"
+REQUIRES = ("activity/saturated_frac",)
+
+_ADVICE = (
+    "Saturated tanh/sigmoid units pass almost no gradient (the derivative is below 0.02 there): "
+    "scale the inputs (normalise the data, add LayerNorm/BatchNorm before the activation), use "
+    "Xavier/Glorot initialisation, lower the learning rate, or switch hidden layers to ReLU/GELU. "
+    "For an output sigmoid, compute the loss from logits (BCEWithLogitsLoss)."
+)
+
+
+def detect(rt: RankTrace, cfg: SaturationConfig) -> list[Finding]:
+    sites = rt.activity_sites
+    if len(sites) == 0:
+        return []
+    sites = sites[sites["function"].isin(("tanh", "sigmoid"))]
+    if len(sites) == 0:
+        return []
+    history = {int(i): [] for i in sites.index}
+    for start, end, _, _, frac in rt.activity_windows():
+        for i in history:
+            history[i].append((start, end, float(frac[i]) if i < len(frac) else np.nan))
+    findings = []
+    for row in sites.itertuples():
+        h = history[int(row.Index)]
+        if not h or not np.isfinite(h[-1][2]) or h[-1][2] < cfg.share:
+            continue
+        since = len(h) - 1
+        while since > 0 and np.isfinite(h[since - 1][2]) and h[since - 1][2] >= cfg.share:
+            since -= 1
+        start, end, share = h[-1]
+        name = row.module or "(model)"
+        summary = (f"{share:.0%} of the outputs of the {row.function} in {name} are saturated (within 1% "
+                   f"of its bounds) during steps {start}-{end}, and at least {cfg.share:.0%} since step "
+                   f"{h[since][0]}: those units barely learn.")
+        evidence = {"function": row.function, "saturated_share": share, "threshold_share": cfg.share,
+                    "window_steps": [start, end],
+                    "share_per_window": [[a, b, round(f, 4)] for a, b, f in h[-20:]]}
+        findings.append(Finding(KIND, "warning", int(h[since][0]), [row.module], summary, evidence, _ADVICE))
+    return findings
