@@ -9,6 +9,7 @@ the common case (a chain of modules) inputs cost nothing.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 
@@ -111,10 +112,11 @@ class ModuleWatcher:
             # Inputs are checked before the forward runs: a module that writes NaN into its
             # input in place (x.mul_(nan)) must be seen receiving finite inputs.
             ins = None
+            # (no torch.no_grad() needed here or in hook(): every reduction runs on a detached
+            # tensor, so none records a graph, and the context manager costs ~2 us a call)
             if torch.is_grad_enabled() and len(self._calls) < self.max_calls:
                 try:
-                    with torch.no_grad():
-                        ins = [self._check(x) for x in floating_tensors(args)]
+                    ins = [self._check(x) for x in floating_tensors(args)]
                 except Exception as e:  # never raise into the model's forward
                     self._on_error(e)
             self.stack.append([index, 0, 0, ins])
@@ -135,22 +137,21 @@ class ModuleWatcher:
             if ins is None:  # evaluation under no_grad (not recorded), or too many calls
                 return
             try:
-                with torch.no_grad():
-                    outs = floating_tensors(output)
-                    if not outs:
-                        return
-                    self._calls.append((index, ins, [self._check(x) for x in outs]))
-                    if not self._shape_seen[index]:
-                        self._shape_seen[index] = True
-                        self._new_shapes.append({
-                            "module": index, "shape": "[" + ", ".join(map(str, outs[0].shape)) + "]",
-                            "dtype": str(outs[0].dtype).replace("torch.", "")})
-                    if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
-                        self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
-                    if self.sample_activations:
-                        s = activation_stats(outs[0])
-                        prev = self._acts.get(index)
-                        self._acts[index] = s if prev is None else prev + s.to(prev.device)
+                outs = floating_tensors(output)
+                if not outs:
+                    return
+                self._calls.append((index, ins, [self._check(x) for x in outs]))
+                if not self._shape_seen[index]:
+                    self._shape_seen[index] = True
+                    self._new_shapes.append({
+                        "module": index, "shape": "[" + ", ".join(map(str, outs[0].shape)) + "]",
+                        "dtype": str(outs[0].dtype).replace("torch.", "")})
+                if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
+                    self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
+                if self.sample_activations:
+                    s = activation_stats(outs[0])
+                    prev = self._acts.get(index)
+                    self._acts[index] = s if prev is None else prev + s.to(prev.device)
             except Exception as e:  # never raise into the model's forward
                 self._on_error(e)
 
@@ -172,20 +173,27 @@ class ModuleWatcher:
         # weights (a Linear overflowing) it is one.
         bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
         neg_inf = mins == -np.inf
-        out_absmax = np.full(n_modules, -1.0)  # -1: not called this step
+        out_absmax = [-1.0] * n_modules  # -1: not called this step
         origin, first_bad, batch_bad = -1, -1, False
+        # Plain Python over the calls: a few values each, where numpy's per-call cost dominates.
+        amax, bad_l, neg_l, weighted = absmax.tolist(), bad.tolist(), neg_inf.tolist(), self.has_weights
+        faults = bool(bad.any() or neg_inf.any())
         for module, ins, outs in self._calls:
-            a = absmax[outs].max() if not np.isnan(absmax[outs]).any() else np.nan
+            vals = [amax[o] for o in outs]
+            a = math.nan if any(v != v for v in vals) else max(vals)  # v != v: NaN
             prev = out_absmax[module]
-            out_absmax[module] = a if prev < 0 else (np.nan if np.isnan(prev) or np.isnan(a) else max(a, prev))
-            in_bad = bool(ins) and bad[ins].any()
+            out_absmax[module] = a if prev < 0 else (math.nan if prev != prev or a != a else max(a, prev))
+            if not faults:
+                continue
+            in_bad = any(bad_l[i] for i in ins)
             if module == 0 and in_bad:
                 batch_bad = True
-            if bad[outs].any() or (self.has_weights[module] and neg_inf[outs].any()):
+            if any(bad_l[o] for o in outs) or (weighted[module] and any(neg_l[o] for o in outs)):
                 if first_bad < 0:
                     first_bad = module
                 if origin < 0 and not in_bad:
                     origin = module
+        out_absmax = np.array(out_absmax)
         row = {
             "output_absmax": out_absmax.astype(np.float32),
             "origin": origin if origin >= 0 else first_bad,

@@ -42,6 +42,11 @@ class Packer:
 
 def floating_tensors(obj, limit: int = 8):
     """The floating-point tensors in a module's input or output (tensors, tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):  # the common cases first: one tensor, or a 1-tuple of one
+        obj = (obj,)
+    if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
+        x = obj[0]
+        return [x] if x.is_floating_point() and x.numel() > 0 and not x.is_sparse else []
     found = []
     stack = [obj]
     while stack and len(found) < limit:
