@@ -383,26 +383,42 @@ class TraceWriter:
         rows = self._buf[table]
         if not rows:
             return
-        n0, n = self._rows[table], len(rows)
+        columns = {}
+        for c in self.tables[table]:
+            values = [r[c.name] for r in rows]
+            if c.dtype == "str":
+                columns[c.name] = np.array(values, dtype=object)
+            elif c.width == GROWS:
+                width = max(len(v) for v in values)
+                data = np.full((len(rows), width), _fill(c.dtype), dtype=c.dtype)
+                for i, v in enumerate(values):
+                    data[i, :len(v)] = v
+                columns[c.name] = data
+            else:
+                columns[c.name] = np.array(values, dtype=c.dtype)
+        self.write_columns(table, columns)
+        self._buf[table] = []
+
+    def write_columns(self, table: str, columns: dict[str, np.ndarray]) -> None:
+        """Append rows given column-wise (every column of the table, equally long). The writer
+        thread's own path; also used directly by benchmarks/synthetic_trace.py to write large
+        traces in the real format before any step is queued."""
+        n0 = self._rows[table]
+        n = len(next(iter(columns.values())))
         self._check_room(n, table)
         for c in self.tables[table]:
             ds = self._ds[table][c.name]
-            values = [r[c.name] for r in rows]
-            if c.dtype == "str":
-                data = np.array(values, dtype=object)
-            elif c.width == GROWS:
-                width = max(ds.shape[1], max(len(v) for v in values))
-                data = np.full((n, width), _fill(c.dtype), dtype=c.dtype)
-                for i, v in enumerate(values):
-                    data[i, :len(v)] = v
-                if width > ds.shape[1]:
-                    ds.resize(width, axis=1)
-            else:
-                data = np.array(values, dtype=c.dtype)
+            data = columns[c.name]
+            if c.width == GROWS and data.shape[1] != ds.shape[1]:
+                if data.shape[1] > ds.shape[1]:
+                    ds.resize(data.shape[1], axis=1)
+                else:  # rows written before later sites were seen: pad with the fill value
+                    full = np.full((n, ds.shape[1]), _fill(c.dtype), dtype=c.dtype)
+                    full[:, :data.shape[1]] = data
+                    data = full
             ds.resize(n0 + n, axis=0)
             ds[n0:n0 + n] = data
         self._rows[table] = n0 + n
-        self._buf[table] = []
 
 
 def _free_bytes(path: str) -> float:
