@@ -1,0 +1,295 @@
+"""Recorder overhead on three CPU workloads, against the bare loop and TensorBoard histograms.
+
+    python benchmarks/overhead.py                  # defaults: 200 steps, 3 repetitions
+    python benchmarks/overhead.py --quick          # smoke run
+    python benchmarks/overhead.py --workloads mlp --configs bare,recorder --repeats 5
+
+Every measurement runs in a fresh subprocess (this script re-invoked with ``--child``), and the
+configurations alternate within each repetition so that they share the machine's conditions.
+Two kinds of run:
+
+- CPU: ``torch.set_num_threads(1)``, process CPU time (``time.process_time()``: every thread of
+  the process, the recorder's writer thread included);
+- wall: ``torch.set_num_threads(2)``, wall-clock time.
+
+The measured span is ``--steps`` steps after ``--warmup`` steps, plus closing the recorder (or the
+TensorBoard writer), so that the periodic events (activation samples every 10 steps, the census,
+the profiler window at steps 10-11, writes and flushes) are amortized inside it. Each configuration
+reports its best (minimum) run: on a shared machine the noise only ever adds time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = ("mlp", "cnn", "transformer")
+CONFIGS = ("bare", "recorder", "tensorboard")
+N_BATCHES = 8  # distinct synthetic batches, generated up front and cycled
+
+
+def tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Child: one measurement
+# ---------------------------------------------------------------------------------------------
+
+def build(workload: str):
+    """The model, the optimizer, the loss function and the synthetic batches of a workload."""
+    import torch
+    from torch import nn
+
+    g = torch.Generator().manual_seed(0)
+    if workload == "mlp":
+        layers = []
+        for _ in range(8):
+            layers += [nn.Linear(512, 512), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(512, 10))
+        batches = [(torch.randn(256, 512, generator=g), torch.randint(0, 10, (256,), generator=g))
+                   for _ in range(N_BATCHES)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    elif workload == "cnn":
+        def block(cin, cout, stride):
+            return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+                    nn.BatchNorm2d(cout), nn.ReLU()]
+        model = nn.Sequential(*block(3, 32, 1), *block(32, 64, 2), *block(64, 64, 1),
+                              *block(64, 128, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(128, 10))
+        batches = [(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+                   for _ in range(N_BATCHES)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    elif workload == "transformer":
+        class Encoder(nn.Module):
+            def __init__(self, vocab=1000, d=256, heads=4, n_layers=4, seq=64):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, d)
+                self.pos = nn.Parameter(torch.zeros(1, seq, d))
+                layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=0.1,
+                                                   batch_first=True)
+                self.encoder = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+                self.head = nn.Linear(d, vocab)
+
+            def forward(self, tokens):
+                return self.head(self.encoder(self.embed(tokens) + self.pos))
+
+        model = Encoder()
+        batches = []
+        for _ in range(N_BATCHES):
+            tokens = torch.randint(0, 1000, (4, 64), generator=g)
+            batches.append((tokens, torch.roll(tokens, -1, dims=1)))  # predict the next token
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+
+    ce = nn.CrossEntropyLoss()
+    if workload == "transformer":
+        def loss_fn(out, y):
+            return ce(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    else:
+        loss_fn = ce
+    return model, opt, loss_fn, batches
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def child(workload: str, config: str, steps: int, warmup: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, opt, loss_fn, batches = build(workload)
+    model.train()
+
+    with tempfile.TemporaryDirectory(prefix="torchautopsy-bench-") as tmp:
+        run_dir = os.path.join(tmp, "run")
+        rec = tb = None
+        if config == "recorder":
+            from torchautopsy import Recorder
+            rec = Recorder(model, run_dir)
+        elif config == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            tb = SummaryWriter(run_dir)
+        elif config != "bare":
+            raise ValueError(f"unknown config {config!r}")
+
+        def train_step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            if rec is not None:
+                rec.step(loss=loss)
+            elif tb is not None:
+                tb.add_scalar("loss", loss.item(), i)
+                if i % 100 == 0:
+                    for name, p in model.named_parameters():
+                        tb.add_histogram(name, p, i)
+                        if p.grad is not None:
+                            tb.add_histogram(name + ".grad", p.grad, i)
+            else:
+                loss.item()  # one host read per step, as any loop that logs its loss does
+
+        for i in range(warmup):
+            train_step(i)
+
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            train_step(i)
+        cpu_loop, wall_loop = time.process_time() - cpu0, time.perf_counter() - wall0
+        if rec is not None:
+            rec.close()
+        if tb is not None:
+            tb.close()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+
+        written = dir_bytes(run_dir) if os.path.isdir(run_dir) else 0
+
+    return {
+        "workload": workload, "config": config, "threads": threads, "steps": steps,
+        "warmup": warmup,
+        "cpu_s": cpu, "wall_s": wall, "close_cpu_s": cpu - cpu_loop, "close_wall_s": wall - wall_loop,
+        "bytes": written,
+        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: schedule the children, print the table
+# ---------------------------------------------------------------------------------------------
+
+def run_child(workload: str, config: str, args, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, config,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"child {workload}/{config} ({threads} threads) failed, rc={p.returncode}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def parse_list(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return items
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: mlp,cnn,transformer")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: bare,recorder,tensorboard")
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per run (default 200)")
+    ap.add_argument("--warmup", type=int, default=10, help="unmeasured steps before them (default 10)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration and mode (default 3)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 30 steps, 1 repetition")
+    ap.add_argument("--json", metavar="PATH", help="also write every run's measurements to PATH")
+    ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads)))
+        return
+
+    if args.quick:
+        args.steps, args.repeats = 30, 1
+    workloads = parse_list(args.workloads, WORKLOADS, "workload")
+    configs = parse_list(args.configs, CONFIGS, "config")
+    if "tensorboard" in configs and not tensorboard_available():
+        print("tensorboard: skipped (not importable; `pip install tensorboard` to include it)")
+        configs.remove("tensorboard")
+    if "bare" not in configs:
+        print("note: without `bare` there are no ratios")
+
+    modes = (("cpu", 1), ("wall", 2))
+    print(f"{len(workloads)} workloads x {len(configs)} configs x {args.repeats} repeats x 2 modes, "
+          f"{args.steps} steps after {args.warmup} warm-up steps", flush=True)
+    t0 = time.perf_counter()
+    runs = []
+    order = list(configs)
+    for rep in range(args.repeats):
+        for mode, threads in modes:
+            for w in workloads:
+                random.Random(rep).shuffle(order)  # no configuration always runs first
+                for c in order:
+                    r = run_child(w, c, args, threads)
+                    r["mode"] = mode
+                    runs.append(r)
+                    per = (r["cpu_s"] if mode == "cpu" else r["wall_s"]) / args.steps * 1e3
+                    print(f"  [{rep + 1}/{args.repeats}] {mode:4} {w:11} {c:11} {per:8.2f} ms/step",
+                          flush=True)
+    elapsed = time.perf_counter() - t0
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+    def best(w, c, mode):
+        key = "cpu_s" if mode == "cpu" else "wall_s"
+        vals = [r[key] for r in runs if r["workload"] == w and r["config"] == c and r["mode"] == mode]
+        return min(vals) / args.steps * 1e3
+
+    header = ("workload", "config", "wall ms/step (2 thr)", "ratio (wall)", "CPU ms/step (1 thr)",
+              "ratio (CPU)", "bytes/step", "peak RSS MiB")
+    rows = []
+    worst = None
+    for w in workloads:
+        for c in configs:
+            mine = [r for r in runs if r["workload"] == w and r["config"] == c]
+            wall, cpu = best(w, c, "wall"), best(w, c, "cpu")
+            if "bare" in configs:
+                rw, rc = wall / best(w, "bare", "wall"), cpu / best(w, "bare", "cpu")
+                ratios = (f"{rw:.3f}x", f"{rc:.3f}x")
+                if c == "recorder":
+                    for kind, r in (("wall", rw), ("CPU", rc)):
+                        if worst is None or r > worst[0]:
+                            worst = (r, w, kind)
+            else:
+                ratios = ("-", "-")
+            total_steps = args.steps + args.warmup
+            bps = max(r["bytes"] for r in mine) / total_steps
+            rss = max(r["maxrss_kib"] for r in mine) / 1024
+            rows.append((w, c, f"{wall:.2f}", ratios[0], f"{cpu:.2f}", ratios[1], f"{bps:,.0f}",
+                         f"{rss:.0f}"))
+
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = lambda cells: " | ".join(  # noqa: E731
+        s.ljust(wd) if i < 2 else s.rjust(wd) for i, (s, wd) in enumerate(zip(cells, widths)))
+    print()
+    print(fmt(header))
+    print("-+-".join("-" * wd for wd in widths))
+    for r in rows:
+        print(fmt(r))
+    print()
+    print(f"best of {args.repeats} runs each; {args.steps} steps after {args.warmup} warm-up, "
+          f"the recorder/writer close() included; bytes/step = run dir size / {args.steps + args.warmup} "
+          f"steps; {len(runs)} runs in {elapsed:.0f} s")
+    if worst is not None:
+        print(f"worst ratio of the default recorder: {worst[0]:.3f}x ({worst[1]}, {worst[2]})")
+
+
+if __name__ == "__main__":
+    main()
