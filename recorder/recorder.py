@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import __version__  # the package's one version string (api/__init__.py)
 from . import functional
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
@@ -28,7 +29,6 @@ from .profiler import ProfilerWindows
 from .stats import Packer
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
-__version__ = "0.1.0"
 _MAX_SUMMARY_CHARS = 65536
 
 
