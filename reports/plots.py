@@ -241,6 +241,13 @@ def plot_memory(series: dict[str, tuple[np.ndarray, np.ndarray]], ax, *, fit: Li
     lines = [Line(label, x, y) for label, (x, y) in series.items()]
     if fit is not None:
         lines.append(fit)
+    if series:  # the peak of the first series (the one the findings read), as a star
+        label, (x, y) = next(iter(series.items()))
+        y = np.asarray(y, dtype=float)
+        if np.isfinite(y).any():
+            i = int(np.nanargmax(y))
+            lines.append(Line(f"peak {y[i]:,.0f} MiB at step {int(x[i]):,}", np.asarray([x[i]]),
+                              np.asarray([y[i]]), color="black", style="none", marker="*", width=0))
     plot_lines(lines, ax, ylabel="MiB", marks=marks, xspan=xspan, legend=census is None)
     if census is not None:
         steps, n, g = census
@@ -335,7 +342,7 @@ def _label(text: str, width: int = 40) -> str:
 def _line(ax, ln: Line, log: bool, color, width: float, zorder: int) -> None:
     y = _positive_or_nan(ln.y) if log else _finite_or_nan(ln.y)
     x, y = downsample_minmax(np.asarray(ln.x), y)
-    ax.plot(x, y, ls=ln.style, lw=width, color=color, marker=ln.marker, ms=3.5,
+    ax.plot(x, y, ls=ln.style, lw=width, color=color, marker=ln.marker, ms=9 if ln.marker == "*" else 3.5,
             label=_label(ln.label, 32) if ln.label else None, zorder=zorder)
 
 
