@@ -216,6 +216,15 @@ class SaturationConfig:
 
 
 @dataclass(frozen=True)
+class HostDeviceCopiesConfig:
+    # Share of the profiled steps' wall time spent in host<->device copies (CUDA "Memcpy HtoD" /
+    # "Memcpy DtoH" device time). A fed GPU copies each batch once, a few percent of a step;
+    # copies that take a fifth of the step point at tensors moved back and forth (.cpu(),
+    # .item(), .numpy(), pageable memory) — HTA's memory-bandwidth analysis flags the same.
+    share: float = 0.2
+
+
+@dataclass(frozen=True)
 class AnalysisConfig:
     exploding_gradients: ExplodingGradientsConfig = field(default_factory=ExplodingGradientsConfig)
     vanishing_gradients: VanishingGradientsConfig = field(default_factory=VanishingGradientsConfig)
@@ -229,3 +238,4 @@ class AnalysisConfig:
     dataloader_bottleneck: DataloaderBottleneckConfig = field(default_factory=DataloaderBottleneckConfig)
     slow_steps: SlowStepsConfig = field(default_factory=SlowStepsConfig)
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
+    host_device_copies: HostDeviceCopiesConfig = field(default_factory=HostDeviceCopiesConfig)

@@ -86,6 +86,8 @@ def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(tmp
     assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
     text = html.read_text()
     assert "Slowest operators" in text and "aten::addmm" in text and "torch.profiler windows" in text
+    found, _ = findings(tmp_path / "run", tmp_path)
+    assert [f for f in found if f["kind"] == "host_device_copies"] == []  # CPU: no device copies
 
 
 def test_export_errors_are_one_line(tmp_path):

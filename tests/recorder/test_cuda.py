@@ -49,3 +49,27 @@ def test_recorder_on_cuda(tmp_path):
     assert (ops["device_self_us"] > 0).any()  # CUDA kernels were profiled
     g = rt.param_stat("grad_norm").to_numpy()
     assert np.isfinite(g[:25]).all()
+
+
+def test_copies_back_and_forth_are_flagged_on_cuda(tmp_path):
+    # The loop copies its activations to the host and back every step (a debugging leftover).
+    from torchautopsy.analyzer.run import analyze
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x_host = torch.randn(4096, 512)
+    with Recorder(model, tmp_path, profile_first=5) as rec:
+        for _ in range(12):
+            x = x_host.to(dev)  # pageable memory, every step
+            out = model(x)
+            out.detach().cpu()
+            x.cpu()
+            loss = out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    found = [f for f in analyze(load(tmp_path)) if f.kind == "host_device_copies"]
+    assert found and found[0].evidence["share"] >= 0.2, [f.summary for f in found]
