@@ -69,8 +69,13 @@ def _attr(v):
     return v
 
 
+def _texts(values) -> list[str]:
+    """UTF-8 strings as h5py returns them (bytes, or str) to str."""
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values]
+
+
 def _strings(ds) -> list[str]:
-    return [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in ds[()]]
+    return _texts(ds[()])
 
 
 class RankTrace:
@@ -199,12 +204,17 @@ class RankTrace:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
         return {c: self._read(f"{table}/{c}", n) for c in cols}
 
-    def _sites(self, table: str, cols: tuple[str, ...], text: str) -> pd.DataFrame:
-        """A site table with its text column decoded and module indices turned into names
+    def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
+        """A table as a DataFrame, its text columns decoded."""
+        df = pd.DataFrame(self._table(table, cols))
+        for c in texts:
+            df[c] = _texts(df[c])
+        return df
+
+    def _sites(self, table: str, cols: tuple[str, ...], *texts: str) -> pd.DataFrame:
+        """A site table with its text columns decoded and module indices turned into names
         (``module``), the index kept as ``module_index``."""
-        t = self._table(table, cols)
-        df = pd.DataFrame({c: t[c] for c in cols})
-        df[text] = [v.decode() if isinstance(v, bytes) else str(v) for v in df[text]]
+        df = self._texts_table(table, cols, texts)
         df["module_index"] = df["module"].astype(int)
         df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
                         for i in df["module_index"]]
@@ -260,17 +270,13 @@ class RankTrace:
         """Live tensor census by group, one row per (census step, group): step, device, dtype,
         shape (str), graph (holds an autograd graph), count, bytes."""
         cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes")
-        df = pd.DataFrame(self._table("census_groups", cols))
-        for c in ("device", "dtype", "shape"):
-            df[c] = [v.decode() if isinstance(v, bytes) else str(v) for v in df[c]]
-        return df
+        return self._texts_table("census_groups", cols, ("device", "dtype", "shape"))
 
     @cached_property
     def module_outputs(self) -> pd.DataFrame:
         """The shape and dtype of each module's first floating-point output: module (name),
         module_index, shape (str), dtype."""
-        return self._sites("module_outputs", ("module", "shape", "dtype"), "shape").assign(
-            dtype=lambda d: [v.decode() if isinstance(v, bytes) else str(v) for v in d["dtype"]])
+        return self._sites("module_outputs", ("module", "shape", "dtype"), "shape", "dtype")
 
     @cached_property
     def profile_windows(self) -> pd.DataFrame:
@@ -283,8 +289,7 @@ class RankTrace:
         name, calls, cpu_self_us, cpu_total_us, device_self_us, device_total_us, memory."""
         cols = ("window", "name", "calls", "cpu_self_us", "cpu_total_us", "device_self_us",
                 "device_total_us", "cpu_memory_bytes", "device_memory_bytes")
-        df = pd.DataFrame(self._table("profile_ops", cols))
-        df["name"] = [v.decode() if isinstance(v, bytes) else str(v) for v in df["name"]]
+        df = self._texts_table("profile_ops", cols, ("name",))
         if window is not None:
             df = df[df["window"] == window]
         return df.sort_values(["window", "cpu_self_us"], ascending=[True, False]).reset_index(drop=True)

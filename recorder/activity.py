@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .functional import call_arg
 from .stats import Packer
 
 _UNIT_FUNCS = {"relu", "relu6", "leaky_relu", "gelu", "hardtanh"}
@@ -63,7 +64,7 @@ class ActivityTracker:
         if frame is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
         if fn == "hardtanh":  # nn.ReLU6 is hardtanh(0, 6); other hardtanh are not ReLU-like
-            lo = _arg(args, kwargs, 1, "min_val", -1.0)
+            lo = call_arg(args, kwargs, 1, "min_val", -1.0)
             if lo != 0.0:
                 return
         frame[1] += 1
@@ -107,9 +108,9 @@ class ActivityTracker:
         self.sites[key] = site
         param = math.nan
         if fn == "leaky_relu":
-            param = float(_arg(args, kwargs, 1, "negative_slope", 0.01))
+            param = float(call_arg(args, kwargs, 1, "negative_slope", 0.01))
         elif fn == "hardtanh":
-            param = float(_arg(args, kwargs, 2, "max_val", 1.0))
+            param = float(call_arg(args, kwargs, 2, "max_val", 1.0))
         self._new_sites.append({
             "module": module, "function": fn, "call": call, "param": param,
             "unit_dim": unit_dim, "units": units, "bit_offset": site.bit_offset,
@@ -180,8 +181,3 @@ class ActivityTracker:
         new, self._new_sites = self._new_sites, []
         return new
 
-
-def _arg(args, kwargs, pos: int, name: str, default):
-    if name in kwargs:
-        return kwargs[name]
-    return args[pos] if len(args) > pos else default

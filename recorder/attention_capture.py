@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .attention import head_similarity, head_stats, mha_probs, sdpa_probs
+from .functional import call_arg
 from .stats import Packer
 
 
@@ -56,14 +57,14 @@ class AttentionTracker:
                 if frame is None:
                     return None
                 frame[2] += 1
-                q = _get(args, kwargs, 0, "query")
-                k = _get(args, kwargs, 1, "key")
+                q = call_arg(args, kwargs, 0, "query")
+                k = call_arg(args, kwargs, 1, "key")
                 out = mha_probs(
                     module, q, k,
-                    key_padding_mask=_get(args, kwargs, 3, "key_padding_mask"),
-                    attn_mask=_get(args, kwargs, 5, "attn_mask"),
-                    is_causal=bool(_get(args, kwargs, 7, "is_causal", False)),
-                    need_weights=bool(_get(args, kwargs, 4, "need_weights", True)),
+                    key_padding_mask=call_arg(args, kwargs, 3, "key_padding_mask"),
+                    attn_mask=call_arg(args, kwargs, 5, "attn_mask"),
+                    is_causal=bool(call_arg(args, kwargs, 7, "is_causal", False)),
+                    need_weights=bool(call_arg(args, kwargs, 4, "need_weights", True)),
                     return_allowed=True,
                 )
                 if out is not None:
@@ -83,10 +84,10 @@ class AttentionTracker:
         if frame is None or isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
             return
         frame[2] += 1
-        q, k = _get(args, kwargs, 0, "query"), _get(args, kwargs, 1, "key")
+        q, k = call_arg(args, kwargs, 0, "query"), call_arg(args, kwargs, 1, "key")
         res = sdpa_probs(
-            q, k, attn_mask=_get(args, kwargs, 3, "attn_mask"),
-            is_causal=bool(_get(args, kwargs, 5, "is_causal", False)),
+            q, k, attn_mask=call_arg(args, kwargs, 3, "attn_mask"),
+            is_causal=bool(call_arg(args, kwargs, 5, "is_causal", False)),
             scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)),
             return_allowed=True,
         )
@@ -141,8 +142,3 @@ class AttentionTracker:
         new, self._new_sites = self._new_sites, []
         return new
 
-
-def _get(args, kwargs, pos: int, name: str, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[pos] if len(args) > pos else default

@@ -130,3 +130,10 @@ def _install(ns, attr: str, kind: str) -> None:
     original, wrapper = _wrap(ns, attr, kind)
     _originals[(id(ns), attr)] = original
     setattr(ns, attr, wrapper)
+
+
+def call_arg(args, kwargs, pos: int, name: str, default=None):
+    """An argument of an observed call, passed by keyword or by position."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default

@@ -8,8 +8,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 from tests.helpers import REPO, run_cli
 
 TRAIN_NAN_THEN_HANG = textwrap.dedent("""
