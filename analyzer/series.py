@@ -8,9 +8,21 @@ import numpy as np
 
 
 def trailing_median(x: np.ndarray, w: int) -> np.ndarray:
-    """Median of x[i-w+1 .. i], NaN ignored, Inf counted as large (vectorised)."""
+    """Median of x[i-w+1 .. i], NaN ignored, Inf counted as large (vectorised).
+
+    Computed a block of rows at a time: the windows of a block are a (rows x w) view whose median
+    copies it, so memory stays at ~_BLOCK_VALUES values however long the series.
+    """
+    x = np.asarray(x, dtype=np.float64)
     padded = np.concatenate([np.full(w - 1, np.nan), x])
     windows = np.lib.stride_tricks.sliding_window_view(padded, w)
+    out = np.empty(len(x))
+    rows = max(1, _BLOCK_VALUES // max(w, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows give NaN, as wanted
-        return np.nanmedian(windows, axis=1)
+        for a in range(0, len(x), rows):
+            out[a:a + rows] = np.nanmedian(windows[a:a + rows], axis=1)
+    return out
+
+
+_BLOCK_VALUES = 1 << 21

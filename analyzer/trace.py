@@ -6,7 +6,15 @@ It never imports torch, never unpickles, and never executes anything from a trac
     run = load("runs/exp1")
     rt = run.ranks[0]
     rt.steps                      # DataFrame, one row per step: loss, time, memory, ...
-    rt.param_stat("grad_norm")    # DataFrame, steps x parameter names
+    rt.param_stat("grad_norm")    # DataFrame, steps x parameter names (the whole run)
+    rt.param_stat("grad_norm", rows=slice(-100, None))   # only the last 100 steps
+    for start, block in rt.blocks("params/grad_norm"): ...  # the whole run, a block at a time
+
+The analyzer streams: a steps x tensors statistic of a long run (a million steps x 200 tensors is
+800 MB a statistic) is never read whole. Detectors and reports read it in blocks of rows
+(``blocks``), read the rows they need (``rows=``), or use the per-step digest (``digest``, one
+pass over the parameter statistics); memory is bounded by the number of tensors, plus a few
+bytes per step for the 1-D per-step series.
 """
 
 from __future__ import annotations
@@ -78,6 +86,48 @@ def _strings(ds) -> list[str]:
     return _texts(ds[()])
 
 
+# A block of rows read at a time holds about this many values (32 MB as float64), whatever the
+# width of the table: wide enough for numpy to be fast, small enough to bound memory.
+_BLOCK_VALUES = 1 << 22
+
+
+# Activity windows read at a time (each is a few KB of bits).
+_WINDOWS_PER_READ = 256
+
+
+def block_rows(width: int) -> int:
+    """Rows per block for a table ``width`` values wide."""
+    return int(np.clip(_BLOCK_VALUES // max(int(width), 1), 256, 1 << 17))
+
+
+def _row_selection(rows, n: int) -> np.ndarray | slice:
+    """A slice stays a slice (clipped to the n rows present); anything else becomes sorted
+    unique row indices, negative ones counted from the end."""
+    if isinstance(rows, slice):
+        return slice(*rows.indices(n))
+    idx = np.asarray(rows, dtype=np.int64).ravel()
+    idx = np.where(idx < 0, idx + n, idx)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"row index out of range (the table has {n} rows)")
+    return np.unique(idx)
+
+
+class StepDigest:
+    """Per-step 1-D series computed in one pass over the parameter statistics.
+
+    total_grad_norm    L2 norm of all gradients together (NaN: no gradient; Inf/NaN when one was)
+    grad_nonfinite     some gradient held NaN/Inf (counts, not norms: an Inf norm may be overflow)
+    grad_absent        no parameter had a gradient (every norm NaN, none counted non-finite)
+    param_nonfinite    some weight norm was NaN/Inf (the weights themselves went non-finite)
+    """
+
+    def __init__(self, n: int):
+        self.total_grad_norm = np.full(n, np.nan)
+        self.grad_nonfinite = np.zeros(n, dtype=bool)
+        self.grad_absent = np.ones(n, dtype=bool)
+        self.param_nonfinite = np.zeros(n, dtype=bool)
+
+
 class RankTrace:
     """One rank's trace, read lazily; every DataFrame it returns is read-only."""
 
@@ -132,6 +182,49 @@ class RankTrace:
         df = pd.DataFrame(data, index=pd.Index(index, name="step"), columns=columns, copy=False)
         return df
 
+    def _read_rows(self, name: str, rows, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row indices, the rows) of the first n rows of a dataset: all of them (rows=None), a
+        slice, or chosen rows. Chosen rows are gathered a block at a time: memory is bounded by
+        the rows asked for, never by the length of the table."""
+        sel = _row_selection(slice(None) if rows is None else rows, n)
+        try:
+            with _open(self.path) as f:
+                ds = f[name]
+                if isinstance(sel, slice) and sel.step == 1:
+                    idx = np.arange(sel.start, max(sel.start, sel.stop))
+                    out = ds[sel.start:max(sel.start, sel.stop)]
+                else:
+                    idx = np.arange(sel.start, sel.stop, sel.step) if isinstance(sel, slice) else sel
+                    out = _gather(ds, idx)
+        except (KeyError, OSError, ValueError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
+        out = np.asarray(out)
+        out.flags.writeable = False
+        return idx, out
+
+    def blocks(self, name: str, stop: int | None = None, start: int = 0):
+        """Yield (first row, rows) of a dataset, one block of rows at a time, up to ``stop``
+        (default: the steps every per-step table holds, for per-step tables)."""
+        if stop is None:
+            table = name.split("/", 1)[0]
+            stop = self.n_steps if table in _PER_STEP_TABLES else None
+        try:
+            with _open(self.path) as f:
+                ds = f[name]
+                stop = ds.shape[0] if stop is None else min(stop, ds.shape[0])
+                step = block_rows(_width(ds))
+                for a in range(start, stop, step):
+                    block = np.asarray(ds[a:min(a + step, stop)])
+                    block.flags.writeable = False
+                    yield a, block
+        except (KeyError, OSError, ValueError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
+
+    def rows_in_span(self, lo: float, hi: float) -> slice:
+        """The rows of the per-step tables whose step lies in [lo, hi]."""
+        idx = self.step_index
+        return slice(int(np.searchsorted(idx, lo, "left")), int(np.searchsorted(idx, hi, "right")))
+
     # -- views --------------------------------------------------------------------------------
     @property
     def closed_cleanly(self) -> bool:
@@ -156,29 +249,46 @@ class RankTrace:
                 data[c] = table[c][: self.n_steps] if have else np.full(self.n_steps, missing)
         return pd.DataFrame(data, index=pd.Index(self.step_index, name="step"))
 
-    def param_stat(self, stat: str) -> pd.DataFrame:
-        """Steps x parameters: grad_norm, grad_absmax, grad_nonfinite or param_norm."""
+    def param_stat(self, stat: str, rows=None) -> pd.DataFrame:
+        """Steps x parameters: grad_norm, grad_absmax, grad_nonfinite or param_norm; of every
+        step, or of ``rows`` only (a slice or row indices, see ``rows_in_span``)."""
         if stat not in PARAM_STATS:
             raise ValueError(f"unknown parameter statistic {stat!r}; one of {PARAM_STATS}")
-        return self._frame(self._read(f"params/{stat}", self.n_steps), self.step_index, self.param_names)
+        idx, data = self._read_rows(f"params/{stat}", rows, self.n_steps)
+        return self._frame(data, self.step_index[idx], self.param_names)
 
-    def module_stat(self, stat: str = "output_absmax") -> pd.DataFrame:
+    def module_stat(self, stat: str = "output_absmax", rows=None) -> pd.DataFrame:
         """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not called)."""
         if stat not in MODULE_STATS:
             raise ValueError(f"unknown module statistic {stat!r}; one of {MODULE_STATS}")
-        return self._frame(self._read(f"modules/{stat}", self.n_steps), self.step_index, self.module_names)
+        idx, data = self._read_rows(f"modules/{stat}", rows, self.n_steps)
+        return self._frame(data, self.step_index[idx], self.module_names)
 
-    def activation_stat(self, stat: str) -> pd.DataFrame:
-        """Sampled steps x modules: mean, std, absmax, zero_frac or nonfinite of each output."""
+    def activation_stat(self, stat: str, rows=None) -> pd.DataFrame:
+        """Sampled steps x modules: mean, std, absmax, zero_frac or nonfinite of each output
+        (``rows``: of the samples)."""
         if stat not in ACTIVATION_STATS:
             raise ValueError(f"unknown activation statistic {stat!r}; one of {ACTIVATION_STATS}")
         steps = self._sampled_steps("activations", ACTIVATION_STATS)
-        return self._frame(self._read(f"activations/{stat}", len(steps)), steps, self.module_names)
+        idx, data = self._read_rows(f"activations/{stat}", rows, len(steps))
+        return self._frame(data, steps[idx], self.module_names)
 
-    def update_ratio(self) -> pd.DataFrame:
-        """Sampled steps x parameters: ||w_after - w_before|| / ||w_before|| of that step's update."""
+    def update_ratio(self, rows=None) -> pd.DataFrame:
+        """Sampled steps x parameters: ||w_after - w_before|| / ||w_before|| of that step's update
+        (``rows``: of the samples)."""
         steps = self._sampled_steps("updates", ("ratio",))
-        return self._frame(self._read("updates/ratio", len(steps)), steps, self.param_names)
+        idx, data = self._read_rows("updates/ratio", rows, len(steps))
+        return self._frame(data, steps[idx], self.param_names)
+
+    def sample_steps(self, table: str) -> np.ndarray:
+        """The steps of a sampled table's rows (activations, updates); empty if absent."""
+        cols = {"activations": ACTIVATION_STATS, "updates": ("ratio",)}.get(table, ())
+        return self._sampled_steps(table, cols) if self._has(f"{table}/step") else np.zeros(0, np.int64)
+
+    def n_samples(self, table: str) -> int:
+        """Rows of a sampled table (activations, updates, attention); 0 if absent."""
+        cols = {"activations": ACTIVATION_STATS, "updates": ("ratio",)}.get(table, ("step",))
+        return len(self._sampled_steps(table, cols)) if self._has(f"{table}/step") else 0
 
     def _sampled_steps(self, table: str, cols) -> np.ndarray:
         try:
@@ -188,6 +298,17 @@ class RankTrace:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
         return self._read(f"{table}/step", n)
 
+    def _n_rows(self, table: str, cols) -> int:
+        """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
+        table is absent (an older trace)."""
+        try:
+            with _open(self.path) as f:
+                if table not in f:
+                    return 0
+                return min(f[f"{table}/{c}"].shape[0] for c in cols)
+        except (KeyError, OSError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
+
     def _has(self, name: str) -> bool:
         with _open(self.path) as f:
             return name in f
@@ -195,13 +316,9 @@ class RankTrace:
     def _table(self, table: str, cols: tuple[str, ...]) -> dict[str, np.ndarray]:
         """All columns of a table, cut to the rows every column holds (a kill can leave one
         column a row longer); an absent table (older trace) reads as empty."""
-        try:
-            with _open(self.path) as f:
-                if table not in f:
-                    return {c: np.zeros(0) for c in cols}
-                n = min(f[f"{table}/{c}"].shape[0] for c in cols)
-        except (KeyError, OSError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
+        if not self._has(table):
+            return {c: np.zeros(0) for c in cols}
+        n = self._n_rows(table, cols)
         return {c: self._read(f"{table}/{c}", n) for c in cols}
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
@@ -231,14 +348,18 @@ class RankTrace:
         """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
         saturated_frac per site), one window at a time, oldest first."""
         cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
-        t = self._table("activity", cols)
+        n = self._n_rows("activity", cols)
         n_bits = int((self.activity_sites["bit_offset"] + self.activity_sites["units"]).max()) \
             if len(self.activity_sites) else 0
-        for i in range(len(t["step_start"])):
-            bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
-            bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
-            yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
-                   bits[:n_bits].astype(bool), t["saturated_frac"][i])
+        # A block of windows at a time: a long run has tens of thousands of windows.
+        for start in range(0, n, _WINDOWS_PER_READ):
+            stop = min(n, start + _WINDOWS_PER_READ)
+            t = {c: self._read_rows(f"activity/{c}", slice(start, stop), n)[1] for c in cols}
+            for i in range(stop - start):
+                bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
+                bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
+                yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
+                       bits[:n_bits].astype(bool), t["saturated_frac"][i])
 
     @cached_property
     def attention_sites(self) -> pd.DataFrame:
@@ -312,15 +433,79 @@ class RankTrace:
             raise TraceFormatError(f"{self.path}: profiler window {window} cannot be read ({e})") from None
 
     @cached_property
+    def digest(self) -> StepDigest:
+        """Per-step series over all parameters, from one streaming pass (see StepDigest)."""
+        d = StepDigest(self.n_steps)
+        if not self.param_names:
+            return d
+        bad_blocks = self.blocks("params/grad_nonfinite")
+        w_blocks = self.blocks("params/param_norm")
+        for (a, g), (_, bad), (_, w) in zip(self.blocks("params/grad_norm"), bad_blocks, w_blocks):
+            g = g.astype(np.float64)
+            counted = bad > 0
+            present = ~np.isnan(g) | counted
+            sq = np.where(present, g * g, 0.0)
+            with np.errstate(invalid="ignore", over="ignore"):
+                tot = np.sqrt(sq.sum(axis=1))
+            b = slice(a, a + len(g))
+            d.grad_absent[b] = ~present.any(axis=1)
+            tot[d.grad_absent[b]] = np.nan
+            d.total_grad_norm[b] = tot
+            d.grad_nonfinite[b] = counted.any(axis=1)
+            d.param_nonfinite[b] = ~np.isfinite(w).all(axis=1)
+        for arr in vars(d).values():
+            arr.flags.writeable = False
+        return d
+
+    @cached_property
     def total_grad_norm(self) -> pd.Series:
         """L2 norm of all gradients together, per step (NaN/Inf when any gradient was)."""
-        g = self.param_stat("grad_norm").to_numpy(dtype=np.float64)
-        present = ~np.isnan(g) | (self.param_stat("grad_nonfinite").to_numpy() > 0)
-        sq = np.where(present, g * g, 0.0)
-        with np.errstate(invalid="ignore"):
-            tot = np.sqrt(sq.sum(axis=1))
-        tot[~present.any(axis=1)] = np.nan
-        return pd.Series(tot, index=pd.Index(self.step_index, name="step"), name="total_grad_norm")
+        return pd.Series(self.digest.total_grad_norm, index=pd.Index(self.step_index, name="step"),
+                         name="total_grad_norm")
+
+    def bucketed(self, name: str, edges: np.ndarray, cols=None) -> dict[str, np.ndarray]:
+        """Reduce a per-step steps x tensors dataset over buckets of rows, streaming.
+
+        ``edges``: increasing row indices, bucket k = rows edges[k]:edges[k+1]; ``cols``: column
+        indices (default all). Returns buckets x cols arrays: ``max`` and ``min`` of the finite
+        values (NaN where none), ``nonfinite`` (some value NaN/Inf), ``inf`` (some value +-Inf),
+        ``positive_max`` (the
+        largest finite value > 0, NaN where none: for log scales).
+        """
+        edges = np.unique(np.asarray(edges, dtype=np.int64))
+        nb = len(edges) - 1
+        width = len(cols) if cols is not None else None
+        out = None
+        for a, block in self.blocks(name, start=int(edges[0]) if nb > 0 else 0,
+                                    stop=int(edges[-1]) if nb > 0 else 0):
+            v = np.asarray(block if cols is None else block[:, cols], dtype=np.float64)
+            if out is None:
+                width = v.shape[1]
+                out = {k: np.full((nb, width), np.nan) for k in ("max", "min", "positive_max")}
+                out["nonfinite"] = np.zeros((nb, width), dtype=bool)
+                out["inf"] = np.zeros((nb, width), dtype=bool)
+            # The buckets this block touches, and where each starts inside the block.
+            k0 = int(np.searchsorted(edges, a, "right")) - 1
+            k1 = int(np.searchsorted(edges, a + len(v), "left"))
+            ks = np.arange(k0, k1)
+            starts = np.maximum(edges[k0:k1] - a, 0)
+            finite = np.isfinite(v)
+            with np.errstate(invalid="ignore"):
+                hi = np.fmax.reduceat(np.where(finite, v, np.nan), starts, axis=0)
+                lo = np.fmin.reduceat(np.where(finite, v, np.nan), starts, axis=0)
+                pos = np.fmax.reduceat(np.where(finite & (v > 0), v, np.nan), starts, axis=0)
+            bad = np.logical_or.reduceat(~finite, starts, axis=0)
+            out["inf"][ks] |= np.logical_or.reduceat(np.isinf(v), starts, axis=0)
+            out["max"][ks] = np.fmax(out["max"][ks], hi)
+            out["min"][ks] = np.fmin(out["min"][ks], lo)
+            out["positive_max"][ks] = np.fmax(out["positive_max"][ks], pos)
+            out["nonfinite"][ks] |= bad
+        if out is None:
+            width = width or 0
+            out = {k: np.full((nb, width), np.nan) for k in ("max", "min", "positive_max")}
+            out["nonfinite"] = np.zeros((nb, width), dtype=bool)
+            out["inf"] = np.zeros((nb, width), dtype=bool)
+        return out
 
     @property
     def wall_time_s(self) -> float:
@@ -328,6 +513,24 @@ class RankTrace:
         if t.size == 0:
             return 0.0
         return float(t[-1] - self.meta.get("start_unix", t[0]))
+
+
+def _gather(ds, idx: np.ndarray) -> np.ndarray:
+    """Rows idx (sorted, unique) of a dataset, read a block at a time: a handful of reads for
+    rows close together, never more memory than the rows asked for plus one block."""
+    out = np.empty((len(idx),) + ds.shape[1:], dtype=ds.dtype)
+    span = block_rows(_width(ds))
+    k = 0
+    while k < len(idx):
+        a = int(idx[k])
+        stop = int(np.searchsorted(idx, a + span))
+        out[k:stop] = ds[a:int(idx[stop - 1]) + 1][idx[k:stop] - a]
+        k = stop
+    return out
+
+
+def _width(ds) -> int:
+    return int(np.prod(ds.shape[1:])) if len(ds.shape) > 1 else 1
 
 
 class Trace:

@@ -1,11 +1,16 @@
 """Write a large synthetic trace in the real format, to measure the analyzer at scale.
 
     python benchmarks/synthetic_trace.py OUT_DIR --steps 1000000 --params 200 [--modules 200]
+                                         [--explode-at STEP]
 
 The layout, dtypes and chunking are the recorder's own (recorder/writer.py writes it); only the
-numbers are made up: a healthy run whose gradient norms wander around a per-layer level, loss
-decaying with noise, memory flat, activations sampled every 10 steps. No torch model is trained,
-so a million steps take a minute, not a day. Then time the analyzer, for example:
+numbers are made up, with the recorder's default schedules: a run whose gradient norms wander
+around a per-layer level, loss decaying with noise, memory flat; activations, update ratios and
+attention sampled every 10 steps; ReLU activity windows of 50 steps; a tensor census every 50
+steps; a profiler window every 1,000 steps. With --explode-at, the first layers' gradients grow
+from that step on, the loss follows, and both go NaN 300 steps later (so the analyzer and the
+report have findings to draw at scale). No torch model is trained, so a million steps take a
+minute, not a day. Then time the analyzer, for example:
 
     /usr/bin/time -v torchautopsy analyze OUT_DIR --json f.json --html r.html
 """
@@ -13,6 +18,7 @@ so a million steps take a minute, not a day. Then time the analyzer, for example
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import time
@@ -31,11 +37,22 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=200)
     ap.add_argument("--modules", type=int, default=None, help="default: as many as parameters")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--explode-at", type=int, default=None, help="step where gradients start to explode")
     a = ap.parse_args()
-    write(a.out_dir, a.steps, a.params, a.modules or a.params, a.seed)
+    write(a.out_dir, a.steps, a.params, a.modules or a.params, a.seed, a.explode_at)
 
 
-def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int = 0) -> str:
+# The recorder's default schedules (recorder/config.py).
+SAMPLE_EVERY, ACTIVITY_WINDOW, CENSUS_EVERY, PROFILE_EVERY = 10, 50, 50, 1000
+RELU_UNITS = 256  # units of each ReLU site (one after every other module)
+HEADS, ATTENTION_SITES = 4, 4
+CENSUS_GROUPS = 12
+PROFILE_OPS = 60
+NAN_AFTER = 300  # steps from the start of an explosion to NaN
+
+
+def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int = 0,
+          explode_at: int | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "rank0.h5")
     rng = np.random.default_rng(seed)
@@ -48,7 +65,9 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
              "world_size": 1, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now)),
              "start_unix": now, "device": "cpu", "model_class": "Synthetic", "model_summary": "synthetic",
              "n_parameters": int(sum(np.prod(s) for s in shapes)),
-             "config": json.dumps({"activations_every": 10, "update_ratio_every": 10}), "command": "",
+             "config": json.dumps({"activations_every": SAMPLE_EVERY, "update_ratio_every": SAMPLE_EVERY,
+                                 "attention_every": SAMPLE_EVERY, "activity_window": ACTIVITY_WINDOW,
+                                 "census_every": CENSUS_EVERY, "profile_every": PROFILE_EVERY}), "command": "",
              "closed": False}
     static = {
         "params": {"name": (params, "str"), "shape": ([json.dumps(s) for s in shapes], "str"),
@@ -60,29 +79,79 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
                     write_every_steps=1 << 30, queue_size=16)
     level = 10 ** rng.uniform(-3, 0, n_params)  # each parameter's typical gradient norm
     weight = 10 ** rng.uniform(0, 1.5, n_params)
+    relu_modules = list(range(1, n_modules, 2))
+    w.write_columns("activity_sites", {
+        "module": np.array(relu_modules), "function": np.array(["relu"] * len(relu_modules), dtype=object),
+        "call": np.zeros(len(relu_modules)), "param": np.full(len(relu_modules), np.nan),
+        "unit_dim": np.ones(len(relu_modules)), "units": np.full(len(relu_modules), RELU_UNITS),
+        "bit_offset": np.arange(len(relu_modules)) * RELU_UNITS, "first_step": np.zeros(len(relu_modules))})
+    att_modules = relu_modules[:ATTENTION_SITES]
+    w.write_columns("attention_sites", {
+        "module": np.array(att_modules), "source": np.array(["MultiheadAttention"] * len(att_modules), dtype=object),
+        "call": np.zeros(len(att_modules)), "heads": np.full(len(att_modules), HEADS),
+        "head_offset": np.arange(len(att_modules)) * HEADS, "first_step": np.zeros(len(att_modules))})
+    w.write_columns("module_outputs", {"module": np.arange(n_modules),
+                                       "shape": np.array(["[64, 256]"] * n_modules, dtype=object),
+                                       "dtype": np.array(["float32"] * n_modules, dtype=object)})
+    trace_blob = gzip.compress(json.dumps({"traceEvents": [
+        {"name": f"aten::op{i}", "ph": "X", "ts": i * 10, "dur": 5, "pid": 0, "tid": 0}
+        for i in range(PROFILE_OPS)]}).encode())
+    window = 0
+    # Explosion: the first third of the parameters' gradients grow 3% a step, then go NaN.
+    early = np.arange(n_params) < max(1, n_params // 3)
     t0 = time.perf_counter()
     for start in range(0, n_steps, BLOCK):
         n = min(BLOCK, n_steps - start)
         steps = np.arange(start, start + n)
         f32 = np.float32
+        growth = np.ones(n)
+        broken = np.zeros(n, dtype=bool)
+        if explode_at is not None:
+            since = steps - explode_at
+            growth = np.where(since > 0, np.exp(0.03 * np.clip(since, 0, NAN_AFTER)), 1.0)
+            broken = since >= NAN_AFTER
+        loss = 2.0 / (1 + steps / 1e4) + 0.05 * rng.random(n)
+        loss = np.where(broken, np.nan, loss * np.sqrt(growth))
+        census = np.where(steps % CENSUS_EVERY == 0, 5000, -1)
         w.write_columns("steps", {
-            "step": steps, "time_s": now + 0.05 * steps, "loss": 2.0 / (1 + steps / 1e4) + 0.05 * rng.random(n),
+            "step": steps, "time_s": now + 0.05 * steps, "loss": loss,
             "rss_bytes": np.full(n, 2 << 30), "cuda_allocated_bytes": np.full(n, -1),
             "cuda_reserved_bytes": np.full(n, -1), "cuda_peak_bytes": np.full(n, -1),
             "between_steps_s": np.full(n, 0.002, f32), "data_wait_s": np.full(n, np.nan, f32),
             "forward_s": np.full(n, 0.015, f32), "backward_s": np.full(n, 0.03, f32),
-            "recorder_s": np.full(n, 0.001, f32), "nonfinite_origin": np.full(n, -1),
-            "batch_nonfinite": np.zeros(n), "live_tensors": np.full(n, -1),
-            "live_tensor_bytes": np.full(n, -1), "live_tensors_with_graph": np.full(n, -1),
+            "recorder_s": np.full(n, 0.001, f32),
+            # NaN is born in the forward pass of module 1 at the first broken step.
+            "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),
+            "batch_nonfinite": np.zeros(n), "live_tensors": census,
+            "live_tensor_bytes": np.where(census > 0, 1 << 30, -1), "live_tensors_with_graph": np.where(census > 0, 0, -1),
         })
-        g = (level * np.exp(0.3 * rng.standard_normal((n, n_params)))).astype(f32)
+        g = level * np.exp(0.3 * rng.standard_normal((n, n_params)))
+        g[:, early] *= growth[:, None]
+        g[broken] = np.nan
+        g = g.astype(f32)
         w.write_columns("params", {
             "grad_norm": g, "grad_absmax": (g * 0.1).astype(f32),
-            "grad_nonfinite": np.zeros((n, n_params), np.int32),
-            "param_norm": np.broadcast_to(weight, (n, n_params)).astype(f32),
+            "grad_nonfinite": np.where(broken[:, None], 1000, 0).astype(np.int32) * np.ones((1, n_params), np.int32),
+            "param_norm": np.where(broken[:, None], np.nan, np.broadcast_to(weight, (n, n_params))).astype(f32),
         })
-        w.write_columns("modules", {"output_absmax": rng.uniform(0.5, 5, (n, n_modules)).astype(f32)})
-        sampled = steps[steps % 10 == 0]
+        out = rng.uniform(0.5, 5, (n, n_modules))
+        out[broken] = np.nan
+        w.write_columns("modules", {"output_absmax": out.astype(f32)})
+        _periodic(w, rng, steps, n_modules, len(relu_modules), len(att_modules), census, now)
+        while window * PROFILE_EVERY + 10 < start + n:
+            a = window * PROFILE_EVERY + 10
+            w.write_columns("profile_windows", {"window": np.array([window]), "step_start": np.array([a]),
+                                                "step_end": np.array([a + 1]),
+                                                "trace_offset": np.array([w.append_blob(np.frombuffer(trace_blob, np.uint8))]),
+                                                "trace_nbytes": np.array([len(trace_blob)])})
+            w.write_columns("profile_ops", {
+                "window": np.full(PROFILE_OPS, window), "name": np.array([f"aten::op{i}" for i in range(PROFILE_OPS)], dtype=object),
+                "calls": np.full(PROFILE_OPS, 20), "cpu_self_us": rng.uniform(10, 5000, PROFILE_OPS),
+                "cpu_total_us": rng.uniform(10, 9000, PROFILE_OPS), "device_self_us": np.zeros(PROFILE_OPS),
+                "device_total_us": np.zeros(PROFILE_OPS), "cpu_memory_bytes": np.zeros(PROFILE_OPS),
+                "device_memory_bytes": np.zeros(PROFILE_OPS)})
+            window += 1
+        sampled = steps[steps % SAMPLE_EVERY == 0]
         k = len(sampled)
         if k:
             w.write_columns("activations", {
@@ -93,10 +162,39 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
                 "nonfinite": np.zeros((k, n_modules), np.int32)})
             w.write_columns("updates", {"step": sampled,
                                         "ratio": (1e-3 * np.exp(0.3 * rng.standard_normal((k, n_params)))).astype(f32)})
+            w.write_columns("attention", {
+                "step": sampled, "entropy": rng.uniform(0.6, 0.9, (k, HEADS * len(att_modules))).astype(f32),
+                "max_weight": rng.uniform(0.1, 0.3, (k, HEADS * len(att_modules))).astype(f32),
+                "sink_share": rng.uniform(0.1, 0.3, (k, HEADS * len(att_modules))).astype(f32),
+                "head_similarity": rng.uniform(0.2, 0.5, (k, len(att_modules))).astype(f32),
+                "keys": np.full((k, len(att_modules)), 64, np.int32)})
         print(f"\r{start + n:,} / {n_steps:,} steps ({time.perf_counter() - t0:.0f} s)", end="", flush=True)
     w.close({"closed": True, "end_reason": "closed", "end_unix": now + 0.05 * n_steps, "n_steps_recorded": n_steps})
     print(f"\nwrote {path}: {os.path.getsize(path) / 2**20:,.0f} MiB")
     return path
+
+
+def _periodic(w, rng, steps, n_modules, n_relu, n_att, census, now) -> None:
+    """The windowed and sampled tables: activity windows, the tensor census."""
+    ends = steps[(steps + 1) % ACTIVITY_WINDOW == 0]
+    k = len(ends)
+    if k:
+        # Each unit fired at least once in a window (healthy), but for a few per site.
+        bits = np.ones((k, n_relu * RELU_UNITS), dtype=bool)
+        bits[:, ::97] = False
+        w.write_columns("activity", {
+            "step_start": ends - ACTIVITY_WINDOW + 1, "step_end": ends,
+            "steps_seen": np.full((k, n_relu), ACTIVITY_WINDOW, np.int32),
+            "ever_positive": np.packbits(bits, axis=1, bitorder="little"),
+            "saturated_frac": np.zeros((k, n_relu), np.float32)})
+    at = steps[census > 0]
+    if len(at):
+        m = len(at) * CENSUS_GROUPS
+        w.write_columns("census_groups", {
+            "step": np.repeat(at, CENSUS_GROUPS), "device": np.array(["cpu"] * m, dtype=object),
+            "dtype": np.array(["float32"] * m, dtype=object),
+            "shape": np.array([f"[{256 * (i + 1)}, 256]" for i in range(CENSUS_GROUPS)] * len(at), dtype=object),
+            "graph": np.zeros(m), "count": np.full(m, 4), "bytes": np.tile(np.arange(1, CENSUS_GROUPS + 1) << 20, len(at))})
 
 
 if __name__ == "__main__":

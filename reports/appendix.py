@@ -23,24 +23,22 @@ def parameter_table(ctx: Context) -> Table:
     cols = ("parameter", "shape", "grad L2", "grad max |g|", "weight L2", "update ratio", "NaN/Inf grad steps")
     if rt.n_steps == 0 or not rt.param_names:
         return Table(title, "No parameter statistics were recorded.", cols, [], (False,) * len(cols))
-    g = ctx.param(rt, "grad_norm")
-    gmax = ctx.param(rt, "grad_absmax")
-    w = ctx.param(rt, "param_norm")
-    bad = ctx.param(rt, "grad_nonfinite")
-    upd = ctx.updates(rt)
     keep, more = _rows_kept(rt.param_names, ctx.findings, rt.rank)
     # A run that went NaN has NaN in every statistic of its last step: show the last step whose
-    # gradient norm was finite instead, and say how many came after it.
+    # gradient norm was finite instead, and say how many came after it. Only that row is read.
     i = _last_finite_row(rt.total_grad_norm.to_numpy())
     at = int(rt.step_index[i])
-    upd_rows = np.flatnonzero(upd.index.to_numpy() <= at) if upd is not None and len(upd) else np.zeros(0, int)
-    last_upd = upd.iloc[upd_rows[-1]] if upd_rows.size else None
-    bad_steps = (bad.to_numpy() > 0).sum(axis=0) if bad is not None else None
+    g, gmax, w = (_safe(lambda s=s: rt.param_stat(s, rows=[i])) for s in ("grad_norm", "grad_absmax", "param_norm"))
+    sampled = _safe(lambda: rt.sample_steps("updates"))
+    k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
+    upd = _safe(lambda: rt.update_ratio(rows=[k])) if k >= 0 else None
+    last_upd = upd.iloc[0] if upd is not None and len(upd) else None
+    bad_steps = _safe(lambda: _steps_with_nonfinite(rt))
     rows = []
     for j in keep:
         n = rt.param_names[j]
         rows.append((n, "×".join(map(str, rt.param_shapes[j])) or "scalar",
-                     _at(g, i, j), _at(gmax, i, j), _at(w, i, j),
+                     _at(g, 0, j), _at(gmax, 0, j), _at(w, 0, j),
                      format_number(last_upd.iloc[j]) if last_upd is not None else "",
                      f"{int(bad_steps[j]):,}" if bad_steps is not None else ""))
     caption = f"At step {at:,}, " + (
@@ -125,22 +123,25 @@ def module_table(ctx: Context) -> Table:
     cols = ("module", "type", "max |output|", "output mean", "output std", "zero share", "dead units")
     if rt.n_steps == 0 or not rt.module_names:
         return Table(title, "No module statistics were recorded.", cols, [], (False,) * len(cols))
-    out = ctx.module(rt)
-    o = out.to_numpy(dtype=np.float64)
-    i = _last_finite_row(np.where(np.isfinite(o).all(axis=1), 0.0, np.nan))
+    all_finite = np.zeros(rt.n_steps, dtype=bool)
+    for a, block in rt.blocks("modules/output_absmax"):
+        all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1)
+    i = _last_finite_row(np.where(all_finite, 0.0, np.nan))
     at = int(rt.step_index[i])
-    acts = {s: ctx.activation(rt, s) for s in ("mean", "std", "zero_frac")}
+    out = rt.module_stat(rows=[i])
+    sampled = _safe(lambda: rt.sample_steps("activations"))
+    k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
     act_row = {}
-    for s, a in acts.items():
-        rows_ok = np.flatnonzero(a.index.to_numpy() <= at) if a is not None and len(a) else np.zeros(0, int)
-        act_row[s] = a.iloc[rows_ok[-1]] if rows_ok.size else None
+    for s in ("mean", "std", "zero_frac"):
+        a = _safe(lambda s=s: rt.activation_stat(s, rows=[k])) if k >= 0 else None
+        act_row[s] = a.iloc[0] if a is not None and len(a) else None
     dead = ctx.dead_shares(rt)
     dead_last = dead.ffill().iloc[-1] if dead is not None and len(dead) else None
     keep, more = _rows_kept(rt.module_names, ctx.findings, rt.rank)
     rows = []
     for j in keep:
         n = rt.module_names[j]
-        absmax = out.iat[i, j]
+        absmax = out.iat[0, j]
         rows.append((n or "(model)", rt.module_types[j],
                      "not called" if absmax == -1 else format_number(absmax),
                      *(format_number(r.iloc[j]) if r is not None else "" for r in act_row.values()),
@@ -167,17 +168,16 @@ def recorded(ctx: Context) -> list[Recorded]:
     given = int(np.isfinite(loss).sum())
     out.append(Recorded("Loss", given > 0, f"finite at {given:,} of {n:,} steps" if given else
                         "never given (call rec.step(loss=loss))"))
-    g = ctx.param(rt, "grad_norm")
-    has_g = g is not None and n > 0 and not np.isnan(g.to_numpy()).all()
+    has_g = n > 0 and bool(rt.param_names) and not rt.digest.grad_absent.all()
     out.append(Recorded("Gradient norms, max |g|, NaN/Inf counts", has_g,
                         f"every step, {plural(len(rt.param_names), 'parameter tensor')}" if has_g else
                         "no gradient at any rec.step() (call it after optimizer.step(), before zero_grad())"))
     out.append(Recorded("Weight norms", n > 0, f"every step, {plural(len(rt.param_names), 'tensor')}"))
     out.append(Recorded("Module outputs (max |x|, where NaN/Inf was born)", n > 0 and bool(rt.module_names),
                         f"every step, {plural(len(rt.module_names), 'module')}"))
-    out.append(_sampled("Activation statistics (mean, std, zero share)", ctx.activation(rt, "mean"),
+    out.append(_sampled("Activation statistics (mean, std, zero share)", _safe(lambda: rt.n_samples("activations")),
                         cfg.get("activations_every"), "activations_every"))
-    out.append(_sampled("Update-to-weight ratios", ctx.updates(rt), cfg.get("update_ratio_every"),
+    out.append(_sampled("Update-to-weight ratios", _safe(lambda: rt.n_samples("updates")), cfg.get("update_ratio_every"),
                         "update_ratio_every"))
     dead = ctx.dead_shares(rt)
     sites = _safe(lambda: rt.activity_sites)
@@ -227,10 +227,18 @@ def model_summary(ctx: Context) -> str:
     return text
 
 
-def _sampled(what: str, frame, every, option: str) -> Recorded:
-    if frame is None or len(frame) == 0:
+def _sampled(what: str, n: int | None, every, option: str) -> Recorded:
+    if not n:
         return Recorded(what, False, f"none recorded (Recorder option {option})")
-    return Recorded(what, True, f"every {every if every is not None else '?'} steps: {plural(len(frame), 'sample')}")
+    return Recorded(what, True, f"every {every if every is not None else '?'} steps: {plural(n, 'sample')}")
+
+
+def _steps_with_nonfinite(rt) -> np.ndarray:
+    """Per parameter, how many steps' gradients held NaN/Inf (one pass, a block at a time)."""
+    count = np.zeros(len(rt.param_names), dtype=np.int64)
+    for _, block in rt.blocks("params/grad_nonfinite"):
+        count += (block > 0).sum(axis=0)
+    return count
 
 
 def _safe(read):

@@ -20,6 +20,10 @@ from .model import Figure
 # A run longer than this is shown, in a finding's own figure, around its step: this many steps
 # before it and a fifth as many after (the overview shows the whole run).
 ZOOM_STEPS = 1000
+# A figure of more steps than this reads each bucket's min and max instead of every step: a
+# long run is never read whole into memory, and no spike is lost (plots bucket anyway).
+FIGURE_STEPS = 4000
+FIGURE_BUCKETS = 1000
 
 
 @dataclass
@@ -49,17 +53,33 @@ class Context:
                 self._cache[key] = None  # a part that cannot be read is drawn as "not recorded"
         return self._cache[key]
 
-    def param(self, rt: RankTrace, stat: str) -> pd.DataFrame:
-        return self._cached((rt.rank, "param", stat), lambda: rt.param_stat(stat))
+    def param(self, rt: RankTrace, stat: str, span: tuple[float, float] | None = None) -> pd.DataFrame:
+        """Steps x parameters of the steps in ``span`` (default: the whole run), for a figure:
+        every step, or for a long stretch the min/max envelope of each bucket (see _envelope)."""
+        return self._cached((rt.rank, "param", stat, span),
+                            lambda: _per_step(rt, f"params/{stat}", rt.param_names, span,
+                                              lambda rows: rt.param_stat(stat, rows=rows)))
 
-    def module(self, rt: RankTrace) -> pd.DataFrame:
-        return self._cached((rt.rank, "module"), lambda: rt.module_stat("output_absmax"))
+    def module(self, rt: RankTrace, span: tuple[float, float] | None = None) -> pd.DataFrame:
+        return self._cached((rt.rank, "module", span),
+                            lambda: _per_step(rt, "modules/output_absmax", rt.module_names, span,
+                                              lambda rows: rt.module_stat(rows=rows)))
 
-    def activation(self, rt: RankTrace, stat: str) -> pd.DataFrame | None:
-        return self._cached((rt.rank, "act", stat), lambda: rt.activation_stat(stat))
+    def rows(self, read: Callable):
+        """An uncached read of a few rows; None if that part of the trace cannot be read."""
+        try:
+            return read()
+        except TraceError:
+            return None
 
     def updates(self, rt: RankTrace) -> pd.DataFrame | None:
-        return self._cached((rt.rank, "upd"), rt.update_ratio)
+        """Sampled steps x parameters of the update-to-weight ratio (an envelope when long)."""
+        def read():
+            steps = rt.sample_steps("updates")
+            if len(steps) <= FIGURE_STEPS:
+                return rt.update_ratio()
+            return _envelope(rt, "updates/ratio", steps, slice(0, len(steps)), rt.param_names)
+        return self._cached((rt.rank, "upd"), read)
 
     def attention(self, rt: RankTrace, stat: str) -> pd.DataFrame | None:
         return self._cached((rt.rank, "attn", stat), lambda: rt.attention_stat(stat))
@@ -151,6 +171,30 @@ def first_nonfinite(frame: pd.DataFrame, columns, after: float | None = None) ->
     return out
 
 
+def _per_step(rt: RankTrace, name: str, columns, span, read_rows) -> pd.DataFrame:
+    rows = rt.rows_in_span(*span) if span is not None else slice(0, rt.n_steps)
+    if rows.stop - rows.start <= FIGURE_STEPS:
+        return read_rows(rows)
+    return _envelope(rt, name, rt.step_index, rows, columns)
+
+
+def _envelope(rt: RankTrace, name: str, steps: np.ndarray, rows: slice, columns) -> pd.DataFrame:
+    """A long steps x tensors stretch as two rows per bucket of steps: each column's largest
+    value (at the bucket's first step), then its smallest (at its middle step). A NaN/Inf in a
+    bucket is kept as the largest value (NaN), so figures still show where values went bad."""
+    edges = np.unique(np.linspace(rows.start, rows.stop, FIGURE_BUCKETS + 1).astype(np.int64))
+    b = rt.bucketed(name, edges)
+    hi = np.where(b["nonfinite"], np.nan, b["max"])
+    data = np.empty((2 * len(hi), hi.shape[1]))
+    data[0::2], data[1::2] = hi, b["min"]
+    idx = np.empty(2 * len(hi), dtype=np.int64)
+    idx[0::2] = steps[edges[:-1]]
+    idx[1::2] = steps[(edges[:-1] + edges[1:]) // 2]
+    frame = pd.DataFrame(data, index=pd.Index(idx, name="step"), columns=list(columns))
+    frame.attrs["envelope"] = True
+    return frame
+
+
 def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
     sites = rt.activity_sites
     if len(sites) == 0:
@@ -158,15 +202,18 @@ def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
     labels = [_site_label(m, fn, c) for m, fn, c in zip(sites["module"], sites["function"], sites["call"])]
     counts = Counter(labels)
     labels = [lab if counts[lab] == 1 else f"{lab} [{i}]" for i, lab in enumerate(labels)]
-    spans = [(int(o), int(o + u)) for o, u in zip(sites["bit_offset"], sites["units"])]
+    a = sites["bit_offset"].to_numpy(dtype=np.int64)
+    b = a + sites["units"].to_numpy(dtype=np.int64)
     rows, starts, ends = [], [], []
     for start, end, seen, bits, _ in rt.activity_windows():
         length = end - start + 1
-        row = []
-        for j, (a, b) in enumerate(spans):
-            ok = j < len(seen) and seen[j] >= 0.5 * length and b > a
-            row.append(1.0 - float(bits[a:b].mean()) if ok else np.nan)
-        rows.append(row)
+        alive = np.concatenate([[0], np.cumsum(bits)])
+        seen = np.asarray(seen, dtype=np.float64)
+        seen_j = np.where(np.arange(len(a)) < len(seen), np.resize(seen, len(a)) if len(seen) else 0.0, 0.0)
+        ok = (seen_j >= 0.5 * length) & (b > a)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = 1.0 - (alive[np.minimum(b, len(bits))] - alive[np.minimum(a, len(bits))]) / (b - a)
+        rows.append(np.where(ok, share, np.nan))
         starts.append(start)
         ends.append(end)
     if not rows:

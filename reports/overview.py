@@ -42,23 +42,23 @@ def _loss(ctx: Context) -> Figure:
 def _grad_heatmap(ctx: Context) -> Figure:
     rt = ctx.focus
     title = ctx.title_rank("Gradient norm per layer and step", rt.rank)
-    g = ctx.param(rt, "grad_norm")
-    bad = ctx.param(rt, "grad_nonfinite")
     names = ctx.weights(rt)
-    if g is None or rt.n_steps == 0 or not names:
+    if rt.n_steps == 0 or not names:
         return no_figure(title, "No gradient norms were recorded.")
     cols = [rt.param_names.index(n) for n in names]
-    v = g.to_numpy(dtype=np.float64)[:, cols]
-    nonfinite = (bad.to_numpy()[:, cols] > 0) if bad is not None else ~np.isfinite(v)
-    nonfinite |= np.isinf(v)
-    v = np.where(np.isfinite(v) & (v > 0), v, np.nan)
-    # Step buckets (columns), max per bucket: an explosion of one step stays visible.
-    steps = g.index.to_numpy()
+    # Step buckets (columns), max per bucket, read a block of steps at a time: an explosion of
+    # one step stays visible, and a million steps never sit in memory at once.
+    steps = rt.step_index
     edges = plots.bucket_edges(len(steps), HEATMAP_COLS)
+    g = ctx.rows(lambda: rt.bucketed("params/grad_norm", edges, cols))
+    if g is None:
+        return no_figure(title, "No gradient norms were recorded.")
+    bad = ctx.rows(lambda: rt.bucketed("params/grad_nonfinite", edges, cols))
+    vb = g["positive_max"]
+    # NaN/Inf: counted as such by the recorder, or an Inf norm (an overflow of finite values).
+    nb = g["inf"] | ((bad["max"] > 0) if bad is not None else g["nonfinite"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        vb = np.fmax.reduceat(v, edges[:-1], axis=0)
-        nb = np.logical_or.reduceat(nonfinite, edges[:-1], axis=0)
         # Layer groups (rows), when there are too many to show one each.
         row_edges = plots.bucket_edges(len(names), HEATMAP_ROWS)
         vb = np.fmax.reduceat(vb, row_edges[:-1], axis=1)
@@ -110,6 +110,8 @@ def _update_ratios(ctx: Context) -> Figure:
     caption = (f"||Δw|| / ||w|| of one optimizer step, at each sampled step: the median, largest and "
                f"smallest over the {len(cols):,} weight tensors of {min_ndim}+ dimensions (log scale)")
     caption += ("; thick: the tensors an update_ratio finding names." if named else ".")
+    if upd.attrs.get("envelope"):
+        caption += " A long run: each bucket of samples is drawn as its largest and its smallest value."
     caption += " Dotted vertical lines mark the findings' steps (see the timeline)." if ctx.marks(rt.rank) else ""
     return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="update / weight",
                   hlines=hlines, marks=ctx.marks(rt.rank, labels=False), xspan=ctx.span(rt))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..findings import Finding
 from ..trace import RankTrace
 
@@ -17,8 +15,7 @@ def no_gradients(rt: RankTrace, kind: str) -> list[Finding]:
     """[info finding] if no step of the trace holds any gradient, else []."""
     if rt.n_steps == 0 or len(rt.param_names) == 0:
         return []
-    g = rt.param_stat("grad_norm").to_numpy()
-    if not np.isnan(g).all():
+    if not rt.digest.grad_absent.all():
         return []
     return [Finding(
         kind, "info", None, [],

@@ -46,47 +46,48 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     if len(sites) == 0:
         return []
 
-    spans = [(int(o), int(o + u)) for o, u in zip(sites["bit_offset"], sites["units"])]
-    ever_alive = [np.zeros(b - a, dtype=bool) for a, b in spans]
-    last_alive_end = [np.full(b - a, -1, dtype=np.int64) for a, b in spans]
-    last_alive_start = [np.full(b - a, -1, dtype=np.int64) for a, b in spans]
-    first_cross: list[int | None] = [None] * len(spans)
+    # The judged sites' units, concatenated: per-unit state is kept in flat arrays and every
+    # window is one vectorised update (a long run has tens of thousands of windows).
+    offsets = sites["bit_offset"].to_numpy(dtype=np.int64)
+    units = sites["units"].to_numpy(dtype=np.int64)
+    site_of_unit = np.repeat(np.arange(len(sites)), units)
+    bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)])
+    bounds = np.concatenate([[0], np.cumsum(units)])
+    ever_alive = np.zeros(len(bit_of_unit), dtype=bool)
+    last_alive_end = np.full(len(bit_of_unit), -1, dtype=np.int64)
+    last_alive_start = np.full(len(bit_of_unit), -1, dtype=np.int64)
+    first_cross = np.full(len(sites), -1, dtype=np.int64)
+    site_rows = sites.index.to_numpy()
     latest = None
-    n_windows = 0
     for start, end, seen, bits, _ in rt.activity_windows():
-        n_windows += 1
         length = end - start + 1
-        judged = []
-        for j, ((a, b), site_idx) in enumerate(zip(spans, sites.index)):
-            site_seen = seen[site_idx] if site_idx < len(seen) else 0
-            if site_seen < cfg.min_seen_share * length:
-                judged.append(None)
-                continue
-            alive = bits[a:b]
-            last_alive_end[j][alive] = end
-            last_alive_start[j][alive] = start
-            ever_alive[j] |= alive
-            dead_share = 1.0 - alive.mean()
-            judged.append((alive, dead_share))
-            if dead_share >= cfg.warning_share:
-                if first_cross[j] is None:
-                    first_cross[j] = start
-            else:
-                first_cross[j] = None  # it recovered: only a share that lasts to the end counts
-        latest = (start, end, judged)
+        site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
+            if len(seen) else np.zeros(len(sites))
+        judged = site_seen >= cfg.min_seen_share * length
+        alive = bits[bit_of_unit] & judged[site_of_unit]
+        last_alive_end[alive] = end
+        last_alive_start[alive] = start
+        ever_alive |= alive
+        alive_count = np.concatenate([[0], np.cumsum(alive)])
+        share = 1.0 - (alive_count[bounds[1:]] - alive_count[bounds[:-1]]) / units
+        crossed = judged & (share >= cfg.warning_share)
+        first_cross = np.where(crossed & (first_cross < 0), start, first_cross)
+        first_cross = np.where(judged & ~crossed, -1, first_cross)  # recovered: only a share lasting to the end counts
+        latest = (start, end, judged, alive, share)
     if latest is None:
         return []
 
     findings = []
-    start, end, judged = latest
-    for j, (row, info) in enumerate(zip(sites.itertuples(), judged)):
-        if info is None or info[1] < cfg.warning_share:
+    start, end, judged, alive_all, shares = latest
+    for j, row in enumerate(sites.itertuples()):
+        if not judged[j] or shares[j] < cfg.warning_share:
             continue
-        alive, share = info
+        u = slice(bounds[j], bounds[j + 1])
+        alive, share = alive_all[u], float(shares[j])
         dead = ~alive
-        from_init = dead & ~ever_alive[j]
-        died = dead & ever_alive[j]
-        died_at = last_alive_end[j][died] + 1  # first step of the window after the last alive one
+        from_init = dead & ~ever_alive[u]
+        died = dead & ever_alive[u]
+        died_at = last_alive_end[u][died] + 1  # first step of the window after the last alive one
         fn = row.function
         label = _LABEL.get(fn, fn)
         severity = "error" if share >= cfg.error_share and fn in ("relu", "relu6", "hardtanh") else "warning"
@@ -103,7 +104,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
             "died_during_training": int(died.sum()),
             "first_death_step": int(died_at.min()) if died.any() else None,
             # a unit is known to have fired somewhere in its last active window only
-            "first_death_between": ([int(last_alive_start[j][died].min()), int(died_at.min())]
+            "first_death_between": ([int(last_alive_start[u][died].min()), int(died_at.min())]
                                     if died.any() else None),
             "median_death_step": int(np.median(died_at)) if died.any() else None,
             "unit_dim": int(row.unit_dim),
@@ -119,7 +120,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         if from_init.any():
             parts.append(f"{int(from_init.sum())} since the start")
         if died.any():
-            lo = int(last_alive_start[j][died].min())
+            lo = int(last_alive_start[u][died].min())
             parts.append(f"{int(died.sum())} died during training, the first between steps {lo} "
                          f"and {int(died_at.min())}")
         summary += f": {', '.join(parts)}." if parts else "."
@@ -128,7 +129,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         advice = _ADVICE_DIED if died.sum() >= from_init.sum() else _ADVICE_INIT
         if from_init.any() and died.any():
             advice = _ADVICE_DIED + " " + _ADVICE_INIT
-        step = first_cross[j] if first_cross[j] is not None else start
+        step = first_cross[j] if first_cross[j] >= 0 else start
         findings.append(Finding(KIND, severity, int(step), where, summary, evidence, advice))
     return findings
 

@@ -8,6 +8,8 @@ parameters named are those whose own gradient norm grew most against their own b
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..config import ExplodingGradientsConfig
@@ -64,10 +66,13 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     first_nonfinite = np.flatnonzero(~np.isfinite(total) & (np.arange(len(total)) >= i))
 
     # Which parameters: growth of each one's own norm at the peak against its own baseline.
-    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        p_base = np.nanmedian(g[base_idx], axis=0)
-        p_growth = g[peak_i] / p_base
+    # Only the rows it needs are read: the baseline's and the peak's.
+    rows = np.unique(np.append(base_idx, peak_i))
+    g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a parameter without any gradient
+        p_base = np.nanmedian(g[np.searchsorted(rows, base_idx)], axis=0)
+        p_growth = g[np.searchsorted(rows, peak_i)] / p_base
     order = [j for j in np.argsort(-np.nan_to_num(p_growth, nan=-1.0)) if np.isfinite(p_growth[j])]
     top = order[:3]
     where = [rt.param_names[j] for j in top]

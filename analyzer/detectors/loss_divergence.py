@@ -75,10 +75,8 @@ def loss_series(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     nan = np.isnan(loss)
     real_nan = np.zeros(len(loss), dtype=bool)
     if nan.any():
-        g = rt.param_stat("grad_norm").to_numpy()
-        broken = ((rt.param_stat("grad_nonfinite").to_numpy() > 0).any(axis=1)
-                  | ~np.isfinite(rt.param_stat("param_norm").to_numpy()).all(axis=1)
-                  | np.isnan(g).all(axis=1))
+        d = rt.digest
+        broken = d.grad_nonfinite | d.param_nonfinite | d.grad_absent
         real_nan = nan & (np.cumsum(~nan) > 0) & broken
     return loss, np.isinf(loss) | real_nan
 

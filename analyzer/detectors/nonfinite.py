@@ -43,18 +43,20 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     loss = steps["loss"].to_numpy()
     origin = steps["nonfinite_origin"].to_numpy()
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0
-    g_bad = rt.param_stat("grad_nonfinite").to_numpy()
+    d = rt.digest
     # Counts, not norms: an Inf norm can be an overflow of finite gradients.
-    grad_bad = g_bad > 0
     # NaN also stands for "no loss passed to rec.step() on this step": a NaN loss counts only
     # when the backward pass that followed it was non-finite too.
-    loss_bad = np.isinf(loss) | (np.isnan(loss) & grad_bad.any(axis=1))
-    w_bad = ~np.isfinite(rt.param_stat("param_norm").to_numpy())
-    any_bad = loss_bad | (origin >= 0) | batch_bad | grad_bad.any(axis=1) | w_bad.any(axis=1)
+    loss_bad = np.isinf(loss) | (np.isnan(loss) & d.grad_nonfinite)
+    any_bad = loss_bad | (origin >= 0) | batch_bad | d.grad_nonfinite | d.param_nonfinite
     bad_rows = np.flatnonzero(any_bad)
     if not bad_rows.size:
         return []
     i = int(bad_rows[0])
+    # The first bad step's own rows: that is all of the steps x tensors tables it needs.
+    g_bad = rt.param_stat("grad_nonfinite", rows=[i]).to_numpy()[0]
+    grad_bad = g_bad > 0
+    w_bad = ~np.isfinite(rt.param_stat("param_norm", rows=[i]).to_numpy()[0])
     step = int(idx[i])
     n_bad_steps = int(any_bad[i:].sum())
     evidence = {
@@ -65,11 +67,11 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         "loss_before": float(steps["loss"].iloc[i - 1]) if i > 0 else None,
         "total_grad_norm_before": float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
     }
-    mods_bad = rt.module_stat().to_numpy()[i]
+    mods_bad = rt.module_stat(rows=[i]).to_numpy()[0]
     bad_modules = [rt.module_names[j] for j in np.flatnonzero(~np.isfinite(mods_bad))]
     evidence["modules_with_nonfinite_output"] = len(bad_modules)
-    bad_params = np.flatnonzero(grad_bad[i])
-    evidence["params_with_nonfinite_grad"] = {rt.param_names[j]: int(g_bad[i, j]) for j in bad_params[:20]}
+    bad_params = np.flatnonzero(grad_bad)
+    evidence["params_with_nonfinite_grad"] = {rt.param_names[j]: int(g_bad[j]) for j in bad_params[:20]}
 
     if batch_bad[i]:
         stage, where = "batch", []
@@ -90,7 +92,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         what = (f"the forward pass of step {step} was finite but the gradient of {rt.param_names[first]} "
                 f"went non-finite ({len(bad_params)} parameter(s) with NaN/Inf gradients)")
     else:
-        bad_w = np.flatnonzero(w_bad[i])
+        bad_w = np.flatnonzero(w_bad)
         stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]
         what = (f"gradients at step {step} were finite but {len(bad_w)} parameter(s) went non-finite "
                 f"in the optimizer update")

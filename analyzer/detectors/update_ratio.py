@@ -36,6 +36,10 @@ from ..trace import RankTrace
 KIND = "update_ratio"
 REQUIRES = ("updates/ratio", "params/param_norm", "params/grad_norm")
 
+# Samples judged at most: a longer run is read every k-th sample (the last one kept), so memory
+# stays bounded; 20,000 samples give medians and onsets as sure as all of them.
+MAX_SAMPLES = 20_000
+
 ADVICE_LARGE = (
     "Each optimizer step changes these weights by more than a tenth of their size; ~1e-3 is "
     "usual. Lower the learning rate (for these parameters at least, via a param group) until the "
@@ -55,9 +59,12 @@ ADVICE_SMALL = (
 def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     if rt.n_steps == 0 or not rt.param_names:
         return []
-    upd = rt.update_ratio()
-    if len(upd) < cfg.min_samples:
+    n = rt.n_samples("updates")
+    if n < cfg.min_samples:
         return []
+    # A long run has more samples than a median needs: every k-th (the last kept) bounds memory.
+    stride = -(-n // MAX_SAMPLES)
+    upd = rt.update_ratio(rows=slice((n - 1) % stride, n, stride))
     rows = np.searchsorted(rt.step_index, upd.index.to_numpy())
     rows = np.minimum(rows, rt.n_steps - 1)
     keep = rt.step_index[rows] == upd.index.to_numpy()
@@ -67,14 +74,17 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     if len(rows) < cfg.min_samples:
         return []
     numel = rt.param_numel.astype(np.float64)
-    w_norm = rt.param_stat("param_norm").to_numpy(dtype=np.float64)
+    # The weight norms of the sampled steps and of the steps before them: those rows only.
+    prev = np.maximum(rows - 1, 0)
+    w_rows = np.unique(np.concatenate([rows, prev]))
+    w_norm = rt.param_stat("param_norm", rows=w_rows).to_numpy(dtype=np.float64)
     # ||w_before||: the weight's norm at the end of the previous step where it was recorded; at
     # step 0, ||w_after|| / (1 + ratio), a lower bound that is 0 when the ratio is Inf (w was 0).
     with np.errstate(invalid="ignore", divide="ignore"):
-        at_start = w_norm[rows] / (1.0 + ratio)
-    before = np.where((rows > 0)[:, None], w_norm[np.maximum(rows - 1, 0)], at_start)
+        at_start = w_norm[np.searchsorted(w_rows, rows)] / (1.0 + ratio)
+    before = np.where((rows > 0)[:, None], w_norm[np.searchsorted(w_rows, prev)], at_start)
     w_rms = before / np.sqrt(np.maximum(numel, 1.0))
-    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)[rows]
+    g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
 
     large, small, judged, zero_init = {}, {}, 0, []
     for j, shape in enumerate(rt.param_shapes):

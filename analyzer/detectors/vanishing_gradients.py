@@ -23,6 +23,9 @@ from ._missing import no_gradients
 KIND = "vanishing_gradients"
 REQUIRES = ("params/grad_norm",)
 
+# Rows read at most for the per-layer median over the judged window (see detect).
+MAX_WINDOW_ROWS = 20_000
+
 ADVICE = (
     "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh in deep stacks), an "
     "initialisation matched to them (Kaiming/He for ReLU), residual connections or normalisation "
@@ -38,25 +41,35 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     weights = [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
     if len(weights) < 3:
         return []
-    g = rt.param_stat("grad_norm").to_numpy(dtype=np.float64)[:, weights]
     numel = rt.param_numel[weights].astype(np.float64)
-    rms = g / np.sqrt(numel)
-    rms[~np.isfinite(rms)] = np.nan
-    ok_rows = ~np.isnan(rms).all(axis=1)
-    if ok_rows.sum() < cfg.min_window:
-        return []
     third = max(1, len(weights) // 3)
     early, late = slice(0, third), slice(len(weights) - third, len(weights))
+
+    # One pass over the gradient norms, a block at a time: per step, the smallest early RMS over
+    # the median late RMS, and whether any weight had a gradient.
+    per_step = np.full(rt.n_steps, np.nan)
+    ok_rows = np.zeros(rt.n_steps, dtype=bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for a, block in rt.blocks("params/grad_norm"):
+            rms = _rms(block[:, weights], numel)
+            ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
+            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
+    if ok_rows.sum() < cfg.min_window:
+        return []
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         rows = np.flatnonzero(ok_rows)
         n_win = max(cfg.min_window, int(len(rows) * cfg.window_frac))
         win = rows[-n_win:]
-        med = np.nanmedian(rms[win], axis=0)
+        # The per-layer median over the window, from an evenly spaced sample of its rows when it
+        # is long: the same median within noise, in bounded memory.
+        sample = win[np.unique(np.linspace(0, len(win) - 1, min(len(win), MAX_WINDOW_ROWS)).astype(np.int64))]
+        g = rt.param_stat("grad_norm", rows=sample).to_numpy(dtype=np.float64)[:, weights]
+        med = np.nanmedian(_rms(g, numel), axis=0)
         early_min = np.nanmin(med[early])
         late_med = np.nanmedian(med[late])
-        per_step = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
     if not (np.isfinite(early_min) and np.isfinite(late_med)):
         return []
     names = [rt.param_names[j] for j in weights]
@@ -88,6 +101,13 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         summary = (f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {where[0]}, "
                    f"steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}).")
     return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]
+
+
+def _rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite."""
+    rms = np.asarray(g, dtype=np.float64) / np.sqrt(numel)
+    rms[~np.isfinite(rms)] = np.nan
+    return rms
 
 
 def _all_zero(rt: RankTrace, med: np.ndarray, names: list[str], win: np.ndarray,

@@ -25,10 +25,10 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank(TITLE, f.rank)
-    g = ctx.param(rt, "grad_norm")
+    span, note = ctx.window(rt, f.step)
+    g = ctx.param(rt, "grad_norm", span)
     if g is None or rt.n_steps == 0:
         return no_figure(title, "No gradient norms were recorded.")
-    span, note = ctx.window(rt, f.step)
     cols = list(dict.fromkeys([w for w in f.where if w in g.columns] + ctx.weights(rt)))
     frame = rows_between(g[cols], span)
     drawn = plots.largest_columns(frame, plots.MAX_LINES, keep=f.where)
@@ -43,7 +43,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
         hlines.append((float(base), "early baseline (total)", "#616161", "-."))
         if isinstance(ratio, (int, float)):
             hlines.append((float(base) * ratio, f"threshold: {ratio:g}x baseline", "#c62828", "--"))
-    bad = ctx.param(rt, "grad_nonfinite")
+    bad = ctx.param(rt, "grad_nonfinite", span)
     crosses = first_nonfinite(rows_between(bad, span)[drawn].where(lambda d: d <= 0, float("nan")), drawn) \
         if bad is not None and drawn else []
     caption = (f"L2 norm of the gradient of each weight tensor per step, log scale: thick, the "

@@ -55,7 +55,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
 
 def _forward(ctx, f, rt, span, note) -> Figure:
     title = ctx.title_rank("Module outputs around the first NaN/Inf", f.rank)
-    out = ctx.module(rt)
+    out = ctx.module(rt, span)
     origin = rt.module_names.index(f.where[0])
     leaves = [j for j in range(len(rt.module_names)) if rt.module_is_leaf[j] and j != origin]
     near = sorted(leaves, key=lambda j: (abs(j - origin), j))[:NEIGHBOURS]
@@ -74,8 +74,8 @@ def _forward(ctx, f, rt, span, note) -> Figure:
 
 def _gradients(ctx, f, rt, span, note) -> Figure:
     title = ctx.title_rank("Gradient norms around the first NaN/Inf", f.rank)
-    g = ctx.param(rt, "grad_norm")
-    bad = ctx.param(rt, "grad_nonfinite")
+    g = ctx.param(rt, "grad_norm", span)
+    bad = ctx.param(rt, "grad_nonfinite", span)
     if g is None or bad is None:
         return no_figure(title, "No gradient statistics were recorded.")
     cols = list(dict.fromkeys([w for w in f.where if w in g.columns] + ctx.weights(rt)))

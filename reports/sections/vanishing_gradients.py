@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 
+from ...analyzer.detectors.vanishing_gradients import MAX_WINDOW_ROWS
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -31,20 +32,22 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Gradient RMS by depth", f.rank)
-    g = ctx.param(rt, "grad_norm")
     weights = [j for j, s in enumerate(rt.param_shapes) if len(s) >= 2]
+    win = f.evidence.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
+    # The judged window's rows, an evenly spaced sample of them when long (as the detector does).
+    span = rt.rows_in_span(win[0], win[-1])
+    sample = np.unique(np.linspace(span.start, max(span.start, span.stop - 1),
+                                   min(max(span.stop - span.start, 1), MAX_WINDOW_ROWS)).astype(np.int64))
+    g = ctx.rows(lambda: rt.param_stat("grad_norm", rows=sample)) if rt.n_steps else None
     if g is None or len(weights) < 2:
         return no_figure(title, "Fewer than two weight tensors have gradients recorded.")
-    win = f.evidence.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
-    idx = g.index.to_numpy()
-    rows = (idx >= win[0]) & (idx <= win[-1])
-    rms = g.to_numpy(dtype=np.float64)[rows][:, weights] / np.sqrt(rt.param_numel[weights].astype(np.float64))
+    rms = g.to_numpy(dtype=np.float64)[:, weights] / np.sqrt(rt.param_numel[weights].astype(np.float64))
     rms[~np.isfinite(rms)] = np.nan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         med = np.nanmedian(rms, axis=0)
     if not (med > 0).any():
-        return _all_zero(ctx, f, rt, g, weights, win)
+        return _all_zero(ctx, f, rt, ctx.param(rt, "grad_norm"), weights, win)
     names = [rt.param_names[j] for j in weights]
     third = max(1, len(weights) // 3)
     groups = ["early third (judged)" if i < third else "last third (reference)" if i >= len(weights) - third
