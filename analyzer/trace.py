@@ -86,9 +86,9 @@ def _strings(ds) -> list[str]:
     return _texts(ds[()])
 
 
-# A block of rows read at a time holds about this many values (32 MB as float64), whatever the
+# A block of rows read at a time holds about this many values (8 MB as float64), whatever the
 # width of the table: wide enough for numpy to be fast, small enough to bound memory.
-_BLOCK_VALUES = 1 << 22
+_BLOCK_VALUES = 1 << 20
 
 
 # Activity windows read at a time (each is a few KB of bits).
@@ -235,19 +235,22 @@ class RankTrace:
         return self._read("steps/step", self.n_steps)
 
     @cached_property
-    def steps(self) -> pd.DataFrame:
-        """One row per step: time_s, loss, rss_bytes, cuda_*_bytes, nonfinite_origin, batch_nonfinite."""
-        cols = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
-                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite")
-        data = {c: self._read(f"steps/{c}", self.n_steps) for c in cols}
-        # Columns added to schema 1 after its first traces: absent ones read as "not measured".
-        for group, missing in ((("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
-                               (("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan)):
-            have = self._has(f"steps/{group[0]}")
-            table = self._table("steps", group) if have else {}
-            for c in group:
-                data[c] = table[c][: self.n_steps] if have else np.full(self.n_steps, missing)
-        return pd.DataFrame(data, index=pd.Index(self.step_index, name="step"))
+    def steps(self) -> "StepColumns":
+        """One row per step: time_s, loss, rss_bytes, cuda_*_bytes, nonfinite_origin,
+        batch_nonfinite, live_tensors*, and the step's time split (*_s). Indexed like a
+        DataFrame (``rt.steps["loss"]`` is a Series by step), but each column is read from the
+        file when asked for and not kept: a million steps hold 8 MB a column, not 130 MB."""
+        return StepColumns(self)
+
+    def _step_column(self, col: str) -> np.ndarray:
+        missing = _OPTIONAL_STEP_COLUMNS.get(col)
+        if missing is not None and not self._has(f"steps/{col}"):
+            return np.full(self.n_steps, missing)  # added to schema 1 after its first traces
+        data = self._read(f"steps/{col}", self.n_steps)
+        if len(data) < self.n_steps:  # a kill can leave a later column a row short
+            data = np.concatenate([data, np.full(self.n_steps - len(data), missing if missing is not None
+                                                 else np.nan).astype(data.dtype)])
+        return data
 
     def param_stat(self, stat: str, rows=None) -> pd.DataFrame:
         """Steps x parameters: grad_norm, grad_absmax, grad_nonfinite or param_norm; of every
@@ -531,6 +534,43 @@ def _gather(ds, idx: np.ndarray) -> np.ndarray:
 
 def _width(ds) -> int:
     return int(np.prod(ds.shape[1:])) if len(ds.shape) > 1 else 1
+
+
+# Step columns added to schema 1 after its first traces, and what they read as when absent.
+_OPTIONAL_STEP_COLUMNS = {
+    **dict.fromkeys(("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
+    **dict.fromkeys(("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan),
+}
+STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
+                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)
+
+
+class StepColumns:
+    """The per-step table of a rank, read a column at a time (see RankTrace.steps)."""
+
+    columns = STEP_COLUMNS
+
+    def __init__(self, rt: RankTrace):
+        self._rt = rt
+        self.index = pd.Index(rt.step_index, name="step")
+
+    def __getitem__(self, col):
+        """A column as a Series by step; a list of columns as a DataFrame."""
+        if isinstance(col, (list, tuple)):
+            return self.frame(col)
+        if col not in self.columns:
+            raise KeyError(col)
+        return pd.Series(self._rt._step_column(col), index=self.index, name=col, copy=False)
+
+    def __contains__(self, col) -> bool:
+        return col in self.columns
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def frame(self, cols=STEP_COLUMNS) -> pd.DataFrame:
+        """Those columns as a DataFrame (all of them: 130 bytes a step)."""
+        return pd.DataFrame({c: self[c] for c in cols}, index=self.index)
 
 
 class Trace:

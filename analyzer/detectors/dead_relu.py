@@ -53,6 +53,7 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     site_of_unit = np.repeat(np.arange(len(sites)), units)
     bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)])
     bounds = np.concatenate([[0], np.cumsum(units)])
+    contiguous = bool(np.array_equal(bit_of_unit, np.arange(len(bit_of_unit))))  # the usual layout
     ever_alive = np.zeros(len(bit_of_unit), dtype=bool)
     last_alive_end = np.full(len(bit_of_unit), -1, dtype=np.int64)
     last_alive_start = np.full(len(bit_of_unit), -1, dtype=np.int64)
@@ -64,7 +65,8 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
             if len(seen) else np.zeros(len(sites))
         judged = site_seen >= cfg.min_seen_share * length
-        alive = bits[bit_of_unit] & judged[site_of_unit]
+        ours = bits[:len(bit_of_unit)] if contiguous else bits[bit_of_unit]
+        alive = ours & judged[site_of_unit]
         last_alive_end[alive] = end
         last_alive_start[alive] = start
         ever_alive |= alive
