@@ -26,3 +26,10 @@ def trailing_median(x: np.ndarray, w: int) -> np.ndarray:
 
 
 _BLOCK_VALUES = 1 << 21
+
+
+def sample_rows(width: int, most: int, values: int = 1 << 21) -> int:
+    """How many rows of a ``width``-wide table a judgement may read at once: ``most``, fewer for
+    wide tables so that the sample holds at most ``values`` numbers (16 MB as float64), and never
+    fewer than 1,000 (a median of 1,000 samples is still sure)."""
+    return int(max(1000, min(most, values // max(int(width), 1))))

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import UpdateRatioConfig
 from ..findings import Finding
-from ..series import trailing_median
+from ..series import sample_rows, trailing_median
 from ..trace import RankTrace
 
 KIND = "update_ratio"
@@ -64,7 +64,7 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     if n < cfg.min_samples:
         return []
     # A long run has more samples than a median needs: every k-th (the last kept) bounds memory.
-    stride = -(-n // MAX_SAMPLES)
+    stride = -(-n // sample_rows(len(rt.param_names), MAX_SAMPLES))
     upd = rt.update_ratio(rows=slice((n - 1) % stride, n, stride))
     rows = np.searchsorted(rt.step_index, upd.index.to_numpy())
     rows = np.minimum(rows, rt.n_steps - 1)

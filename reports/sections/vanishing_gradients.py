@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 
 from ...analyzer.detectors.vanishing_gradients import MAX_WINDOW_ROWS
+from ...analyzer.series import sample_rows
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -37,7 +38,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     # The judged window's rows, an evenly spaced sample of them when long (as the detector does).
     span = rt.rows_in_span(win[0], win[-1])
     sample = np.unique(np.linspace(span.start, max(span.start, span.stop - 1),
-                                   min(max(span.stop - span.start, 1), MAX_WINDOW_ROWS)).astype(np.int64))
+                                   min(max(span.stop - span.start, 1), sample_rows(len(weights), MAX_WINDOW_ROWS))).astype(np.int64))
     g = ctx.rows(lambda: rt.param_stat("grad_norm", rows=sample)) if rt.n_steps else None
     if g is None or len(weights) < 2:
         return no_figure(title, "Fewer than two weight tensors have gradients recorded.")
