@@ -34,6 +34,18 @@ def _mask(d: dict, keys: tuple[str, ...]) -> int:
     return sum(1 << i for i, k in enumerate(keys) if k in d)
 
 
+def _extra(d: dict, keys: tuple[str, ...]) -> str:
+    """Keys this code does not know (a newer torch's, or "category" in snapshots made from a
+    profile), as JSON text: kept so the export gives back what the snapshot had. "" if none."""
+    other = {k: v for k, v in d.items() if k not in keys and isinstance(k, str)}
+    if not other:
+        return ""
+    try:
+        return json.dumps(other)[:65536]
+    except (TypeError, ValueError):
+        return ""
+
+
 def _int(v, default: int = -1) -> int:
     try:
         return int(v)
@@ -64,14 +76,14 @@ class SnapshotConverter:
             if not isinstance(fr, dict):
                 continue
             key = (str(fr.get("filename", "")), _int(fr.get("line"), 0), str(fr.get("name", "")),
-                   _mask(fr, FRAME_KEYS))
+                   _mask(fr, FRAME_KEYS), _extra(fr, FRAME_KEYS))
             i = self._frames.get(key)
             if i is None:
                 if len(self._frames) >= self.MAX_FRAMES:
                     return -1
                 i = self._frames[key] = len(self._frames)
                 rows["memory_frames"].append({"filename": key[0][:1024], "line": key[1], "name": key[2][:512],
-                                              "keys": key[3]})
+                                              "keys": key[3], "extra": key[4]})
             ids.append(i)
         key = tuple(ids)
         s = self._stacks.get(key)
@@ -101,13 +113,14 @@ class SnapshotConverter:
                 "pool_a": _int(pool[0], 0), "pool_b": _int(pool[1], 0),
                 "is_expandable": int(bool(seg.get("is_expandable", False))),
                 "stack": self._stack(seg.get("frames"), rows), "keys": _mask(seg, SEGMENT_KEYS),
+                "extra": _extra(seg, SEGMENT_KEYS),
             })
             for b in seg.get("blocks") or []:
                 rows["memory_blocks"].append({
                     "snapshot": snapshot, "segment": si, "address": _int(b.get("address")),
                     "size": _int(b.get("size"), 0), "requested_size": _int(b.get("requested_size")),
                     "state": str(b.get("state", "")), "stack": self._stack(b.get("frames"), rows),
-                    "keys": _mask(b, BLOCK_KEYS),
+                    "keys": _mask(b, BLOCK_KEYS), "extra": _extra(b, BLOCK_KEYS),
                 })
         traces = snap.get("device_traces") or []
         for d, entries in enumerate(traces):
@@ -120,6 +133,7 @@ class SnapshotConverter:
                     "compile_context": str(e.get("compile_context", ""))[:1024],
                     "user_metadata": str(e.get("user_metadata", ""))[:1024],
                     "stack": self._stack(e.get("frames"), rows), "keys": _mask(e, TRACE_KEYS),
+                    "extra": _extra(e, TRACE_KEYS),
                 })
         settings = snap.get("allocator_settings")
         try:

@@ -174,6 +174,7 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("is_expandable", "i1"),
             Column("stack", "i8"),  # row of memory_stacks; -1: none
             Column("keys", "i4"),
+            Column("extra", "str"),  # keys not listed here, as JSON ("" if none)
         ],
         "memory_blocks": [
             Column("snapshot", "i4"),
@@ -184,6 +185,7 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("state", "str"),  # active_allocated, active_pending_free, inactive
             Column("stack", "i8"),
             Column("keys", "i4"),
+            Column("extra", "str"),
         ],
         "memory_trace": [  # the allocator's history (ring buffer) as of the snapshot
             Column("snapshot", "i4"),
@@ -198,10 +200,11 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("user_metadata", "str"),
             Column("stack", "i8"),
             Column("keys", "i4"),
+            Column("extra", "str"),
         ],
         # Stack frames, each stored once; a stack is a run of rows of memory_stack_frames.
         "memory_frames": [Column("filename", "str"), Column("line", "i8"), Column("name", "str"),
-                          Column("keys", "i4")],
+                          Column("keys", "i4"), Column("extra", "str")],
         "memory_stacks": [Column("first", "i8"), Column("length", "i4")],
         "memory_stack_frames": [Column("frame", "i8")],
         # Running out of memory: the allocator's out-of-memory observer (CUDA) or an

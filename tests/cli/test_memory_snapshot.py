@@ -1,0 +1,175 @@
+"""CUDA memory snapshots: stored as tables (no pickle in the trace), exported as the pickle that
+PyTorch's memory viewer reads, analysed for what held the memory.
+
+Without a GPU, the snapshots come from two sources, fed through the recorder's real conversion
+and writer: a dict written here in exactly the structure ``torch.cuda.memory._snapshot()``
+documents (torch/cuda/memory.py) and torch/csrc/cuda/Module.cpp fills in, and a snapshot that
+torch itself builds on the CPU (``torch.cuda._memory_viz._profile_to_snapshot`` from a memory
+profile). The exported pickle must equal the input and be accepted by torch's own
+``_memory_viz`` functions. tests/recorder/test_cuda.py checks real ``_snapshot()`` output on a GPU.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.cuda import _memory_viz
+
+from torchautopsy import Recorder, load
+from torchautopsy.analyzer.memory_snapshot import history_peak, live_sites, oom_request, snapshot_dict
+from tests.cli.test_bad_input import assert_one_line_error
+from tests.helpers import run_cli
+
+MiB = 2**20
+TRAIN = "/home/user/train.py"
+TORCH = "/usr/lib/python3/site-packages/torch/nn/modules/linear.py"
+
+
+def frames(*where):
+    """Frames innermost first, as the allocator records them."""
+    return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+
+def documented_snapshot() -> dict:
+    """A small snapshot in the documented structure: one large segment holding a 40 MiB
+    activation (allocated in train.py:forward) and the weights, one small segment, and a history
+    that allocates and frees a 60 MiB temporary before running out of memory."""
+    act_stack = frames((TORCH, 125, "forward"), (TRAIN, 31, "forward"), (TRAIN, 80, "main"))
+    w_stack = frames((TRAIN, 12, "__init__"), (TRAIN, 70, "main"))
+    tmp_stack = frames((TRAIN, 40, "loss_fn"), (TRAIN, 82, "main"))
+    base = 0x7F0000000000
+    seg0 = {
+        "device": 0, "address": base, "total_size": 128 * MiB, "allocated_size": 48 * MiB,
+        "active_size": 48 * MiB, "requested_size": 48 * MiB - 100, "stream": 0, "segment_type": "large",
+        "segment_pool_id": (0, 0), "is_expandable": False, "frames": act_stack,
+        "blocks": [
+            {"address": base, "size": 40 * MiB, "requested_size": 40 * MiB - 100, "state": "active_allocated",
+             "frames": act_stack},
+            {"address": base + 40 * MiB, "size": 8 * MiB, "requested_size": 8 * MiB, "state": "active_allocated",
+             "frames": w_stack},
+            {"address": base + 48 * MiB, "size": 80 * MiB, "requested_size": 0, "state": "inactive", "frames": []},
+        ],
+    }
+    seg1 = {
+        "device": 0, "address": base + 512 * MiB, "total_size": 2 * MiB, "allocated_size": 512,
+        "active_size": 512, "requested_size": 500, "stream": 0, "segment_type": "small",
+        "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+        "blocks": [
+            {"address": base + 512 * MiB, "size": 512, "requested_size": 500, "state": "active_allocated",
+             "frames": w_stack},
+            {"address": base + 512 * MiB + 512, "size": 2 * MiB - 512, "requested_size": 0, "state": "inactive",
+             "frames": []},
+        ],
+    }
+
+    def entry(action, addr, size, t, stack=None, **kw):
+        e = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t,
+             "compile_context": "", "user_metadata": ""}
+        if stack is not None:
+            e["frames"] = stack
+        e.update(kw)
+        return e
+
+    trace = [
+        entry("segment_alloc", base, 128 * MiB, 1000, act_stack),
+        entry("alloc", base + 40 * MiB, 8 * MiB, 1001, w_stack),
+        entry("alloc", base, 40 * MiB, 1002, act_stack),
+        entry("alloc", base + 48 * MiB, 60 * MiB, 1003, tmp_stack),
+        entry("free_requested", base + 48 * MiB, 60 * MiB, 1004),
+        entry("free_completed", base + 48 * MiB, 60 * MiB, 1005),
+    ]
+    oom = {"action": "oom", "device_free": 3 * MiB, "size": 200 * MiB, "stream": 0, "time_us": 1006,
+           "frames": tmp_stack, "compile_context": "", "user_metadata": ""}
+    return {
+        "segments": [seg0, seg1],
+        "device_traces": [trace + [oom]],
+        "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
+                               "garbage_collection_threshold": 0.0, "expandable_segments": False,
+                               "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+                               "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {"1": 0}},
+    }
+
+
+def profiled_snapshot() -> dict:
+    """A snapshot torch builds itself on the CPU, from a memory profile (older key set, extra
+    "category" keys, no addresses on blocks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+    return _memory_viz._profile_to_snapshot(prof)
+
+
+def record_with(run_dir, snapshots):
+    """A real CPU run whose trace gets the given snapshots through the recorder's conversion and
+    writer (what the CUDA path does with torch.cuda.memory._snapshot()'s result)."""
+    from torchautopsy.recorder.cuda_memory import SnapshotConverter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    conv = SnapshotConverter()
+    with Recorder(model, run_dir, profile_steps=0) as rec:
+        for step in range(6):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+            if step < len(snapshots):
+                snap, reason = snapshots[step]
+                rec.writer.put(conv.rows(copy.deepcopy(snap), step, step, reason, 0.0, 0, 48 * MiB, 130 * MiB))
+
+
+@pytest.mark.parametrize("make", [documented_snapshot, profiled_snapshot])
+def test_export_gives_back_the_snapshot_and_torch_memory_viz_reads_it(tmp_path, make):
+    snap = make()
+    record_with(tmp_path / "run", [(snap, "schedule"), (snap, "oom")])
+    out = tmp_path / "snap.pickle"
+    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out, "--which", "0")
+    assert r.returncode == 0, r.stderr
+    assert "CUDA memory snapshot 0 of rank 0 (schedule, step 0" in r.stdout
+    with open(out, "rb") as f:
+        back = pickle.load(f)
+    assert back == snap
+    # torch's own viewer code accepts it: the text summaries and the HTML viewers
+    assert "total_reserved" in _memory_viz.segsum(back)
+    assert "<" in _memory_viz.segment_plot(back) and "<" in _memory_viz.trace_plot(back)
+    assert _memory_viz.memory(back, format_flamegraph=lambda lines: lines).strip()
+    if make is documented_snapshot:
+        text = _memory_viz.trace(back)  # replays the history against the segments
+        assert "cudaMalloc" in text and "raise OutOfMemoryError # 200.0MiB requested, 3.0MiB free" in text
+    # the default export is the snapshot taken when memory ran out
+    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out)
+    assert r.returncode == 0 and "(oom, step 1" in r.stdout, r.stdout + r.stderr
+
+
+def test_what_held_the_memory(tmp_path):
+    record_with(tmp_path / "run", [(documented_snapshot(), "oom")])
+    rt = load(tmp_path / "run").ranks[0]
+    assert snapshot_dict(rt, 0) == documented_snapshot()
+    sites = live_sites(rt, 0)
+    assert sites[0]["site"] == f"{TRAIN}:31 in forward" and sites[0]["bytes"] == 40 * MiB
+    assert sites[1]["site"] == f"{TRAIN}:12 in __init__" and sites[1]["blocks"] == 2
+    peak = history_peak(rt, 0)  # the 60 MiB temporary was live at the peak of the history
+    assert peak["bytes"] == 108 * MiB + 512
+    assert peak["sites"][0]["site"] == f"{TRAIN}:40 in loss_fn" and peak["sites"][0]["bytes"] == 60 * MiB
+    req = oom_request(rt, 0)
+    assert req == {"bytes": 200 * MiB, "device_free": 3 * MiB, "site": f"{TRAIN}:40 in loss_fn",
+                   "stack": [f"{TRAIN}:40 in loss_fn", f"{TRAIN}:82 in main"]}
+
+
+def test_export_without_snapshots_or_with_a_wrong_one_is_a_one_line_error(tmp_path):
+    record_with(tmp_path / "cpu", [])
+    assert_one_line_error(run_cli("export", tmp_path / "cpu", "--memory-snapshot", tmp_path / "s.pickle"),
+                          "holds no CUDA memory snapshots")
+    record_with(tmp_path / "run", [(documented_snapshot(), "schedule")])
+    for which, needle in (("7", "no memory snapshot 7"), ("oom", "no snapshot taken when memory ran out"),
+                          ("bogus", "give a number, last, peak or oom")):
+        r = run_cli("export", tmp_path / "run", "--memory-snapshot", tmp_path / "s.pickle", "--which", which)
+        assert_one_line_error(r, needle)
+    assert not (tmp_path / "s.pickle").exists()
