@@ -138,7 +138,7 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
 
 # -- what held the memory ------------------------------------------------------------------------
 
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
     f = filename.replace("\\", "/")
     return ("/torch/" in f or "/site-packages/" in f or "/dist-packages/" in f or f.startswith("<")
             or "/torchautopsy/" in f)
@@ -151,7 +151,7 @@ def site_of(frames: list[dict] | None, depth: int = 6) -> tuple[str, list[str]]:
         return "(no stack recorded)", []
     text = [f"{fr.get('filename', '?')}:{fr.get('line', '?')} in {fr.get('name', '?')}" for fr in frames]
     for fr, t in zip(frames, text):
-        if not _is_library(str(fr.get("filename", ""))):
+        if not is_library(str(fr.get("filename", ""))):
             return t, text[:depth]
     return text[0], text[:depth]
 

@@ -104,7 +104,7 @@ def profiled_snapshot() -> dict:
     return _memory_viz._profile_to_snapshot(prof)
 
 
-def record_with(run_dir, snapshots):
+def record_with(run_dir, snapshots, oom_at=None):
     """A real CPU run whose trace gets the given snapshots through the recorder's conversion and
     writer (what the CUDA path does with torch.cuda.memory._snapshot()'s result)."""
     from torchautopsy.recorder.cuda_memory import SnapshotConverter
@@ -123,6 +123,12 @@ def record_with(run_dir, snapshots):
             if step < len(snapshots):
                 snap, reason = snapshots[step]
                 rec.writer.put(conv.rows(copy.deepcopy(snap), step, step, reason, 0.0, 0, 48 * MiB, 130 * MiB))
+            if step == oom_at:  # the row the CUDA allocator's out-of-memory observer writes
+                rec.writer.put({"oom_events": {
+                    "step": step, "time_s": 0.0, "source": "observer", "device": "cuda:0",
+                    "requested_bytes": 200 * MiB, "device_allocated_bytes": 48 * MiB + 512,
+                    "device_free_bytes": 3 * MiB, "rss_bytes": 10**9, "snapshot": step, "message": "",
+                    "raised_at": ""}})
 
 
 @pytest.mark.parametrize("make", [documented_snapshot, profiled_snapshot])
@@ -173,3 +179,69 @@ def test_export_without_snapshots_or_with_a_wrong_one_is_a_one_line_error(tmp_pa
         r = run_cli("export", tmp_path / "run", "--memory-snapshot", tmp_path / "s.pickle", "--which", which)
         assert_one_line_error(r, needle)
     assert not (tmp_path / "s.pickle").exists()
+
+
+def test_a_cuda_oom_names_the_request_the_holders_and_the_site_that_asked(tmp_path):
+    record_with(tmp_path / "run", [(documented_snapshot(), "schedule"), (documented_snapshot(), "oom")], oom_at=1)
+    out = tmp_path / "f.json"
+    r = run_cli("analyze", tmp_path / "run", "--json", out, "--md", tmp_path / "r.md", "--html", tmp_path / "r.html")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    (f,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "out_of_memory"]
+    assert f["severity"] == "error" and f["step"] == 1
+    ev = f["evidence"]
+    assert ev["requested_bytes"] == 200 * MiB and ev["device_free_bytes"] == 3 * MiB and ev["snapshot"] == 1
+    assert ev["largest_sites"][0]["site"] == f"{TRAIN}:31 in forward"
+    assert ev["failed_request"]["site"] == f"{TRAIN}:40 in loss_fn"
+    assert "a request for 200.0 MiB failed with 48.0 MiB allocated and 3.0 MiB free" in f["summary"]
+    assert f"The request came from {TRAIN}:40 in loss_fn" in f["summary"]
+    # 82 MiB reserved but free could not have served 200 MiB: no fragmentation advice
+    assert "expandable_segments" not in f["advice"] and "memory_viz" in f["advice"]
+    html = (tmp_path / "r.html").read_text()
+    assert "out_of_memory" in html and "train.py:31 in forward" in html
+
+
+class Hungry(nn.Module):
+    """A layer whose forward at one step asks for far more memory than any machine has."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at + 1:
+            x = x.new_empty(2**52)  # 16 PiB: the CPU allocator refuses it
+        return self.lin(x)
+
+
+def test_a_cpu_out_of_memory_error_leaving_the_recorder_is_an_error_finding(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Hungry(12), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    kept = []
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with Recorder(model, tmp_path / "run", profile_steps=0) as rec:
+            for _ in range(30):
+                kept.append(torch.zeros(512, 1024))  # 2 MiB a step, kept: the largest group
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.step(loss=loss)
+    out = tmp_path / "f.json"
+    r = run_cli("analyze", tmp_path / "run", "--json", out, "--fail-on", "error")
+    assert r.returncode == 1, r.stderr
+    import json
+
+    (f,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "out_of_memory"]
+    ev = f["evidence"]
+    assert f["step"] == 12 and ev["device"] == "cpu" and ev["requested_bytes"] == 2**52 * 4
+    assert ev["largest_tensor_groups"][0] == {"device": "cpu", "dtype": "float32", "shape": "[512, 1024]",
+                                              "graph": False, "count": 13, "bytes": 13 * 2 * MiB}
+    assert "test_memory_snapshot.py" in ev["raised_at"][-1] and "in forward" in ev["raised_at"][-1]
+    assert f["summary"].startswith("Out of memory at step 12 on cpu: a request for 16.0 PiB failed")
+    assert "in forward." in f["summary"] and "test_memory_snapshot.py" in f["summary"]
+    assert "13 x [512, 1024] float32 on cpu (26.0 MiB)" in f["summary"]
