@@ -200,6 +200,28 @@ def test_a_cuda_oom_names_the_request_the_holders_and_the_site_that_asked(tmp_pa
     assert "expandable_segments" not in f["advice"] and "memory_viz" in f["advice"]
     html = (tmp_path / "r.html").read_text()
     assert "out_of_memory" in html and "train.py:31 in forward" in html
+    # the appendix: the peak of the history (the 60 MiB temporary of loss_fn was live then)
+    assert "CUDA memory at its peak, by allocation site" in html and "train.py:40 in loss_fn" in html
+
+
+def test_the_allocation_site_that_grew_between_snapshots(tmp_path):
+    from torchautopsy.analyzer.memory_snapshot import site_growth
+
+    before, after = documented_snapshot(), documented_snapshot()
+    seg = after["segments"][0]
+    kept = frames((TRAIN, 55, "log_outputs"), (TRAIN, 84, "main"))
+    free = seg["blocks"].pop()  # 80 MiB inactive: 30 MiB of it now held by a list of outputs
+    seg["blocks"] += [
+        {"address": free["address"], "size": 30 * MiB, "requested_size": 30 * MiB, "state": "active_allocated",
+         "frames": kept},
+        {"address": free["address"] + 30 * MiB, "size": 50 * MiB, "requested_size": 0, "state": "inactive",
+         "frames": []},
+    ]
+    record_with(tmp_path / "run", [(before, "schedule"), (after, "peak")])
+    rt = load(tmp_path / "run").ranks[0]
+    assert snapshot_dict(rt, 1) == after
+    (g,) = site_growth(rt, 0, 1)
+    assert g["site"] == f"{TRAIN}:55 in log_outputs" and (g["bytes_before"], g["bytes_after"]) == (0, 30 * MiB)
 
 
 class Hungry(nn.Module):
