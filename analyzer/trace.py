@@ -369,9 +369,11 @@ class RankTrace:
     def oom_events(self) -> pd.DataFrame:
         """Times memory ran out: step, time_s, source (observer: the CUDA allocator's; exception:
         an out-of-memory error left the Recorder's with-block), device, requested_bytes,
-        device_allocated_bytes, device_free_bytes, rss_bytes, snapshot, message, raised_at."""
+        device_allocated_bytes, device_reserved_bytes, device_free_bytes, device_total_bytes (-1:
+        unknown), rss_bytes, snapshot, message, raised_at."""
         cols = ("step", "time_s", "source", "device", "requested_bytes", "device_allocated_bytes",
-                "device_free_bytes", "rss_bytes", "snapshot", "message", "raised_at")
+                "device_reserved_bytes", "device_free_bytes", "device_total_bytes", "rss_bytes", "snapshot",
+                "message", "raised_at")
         return self._texts_table("oom_events", cols, ("source", "device", "message", "raised_at"))
 
     @cached_property

@@ -264,9 +264,14 @@ class Recorder:
         gc.callbacks.append(on_gc)
 
     # -- running out of memory ----------------------------------------------------------------
-    def _on_cuda_oom(self, device, alloc, device_allocated, device_free) -> None:
+    def _on_cuda_oom(self, device, alloc, device_total, device_free) -> None:
         """The CUDA allocator's out-of-memory observer: called before it raises, with the state
-        that made it fail still in place. Snapshot it and flush, as the job may die next."""
+        that made it fail still in place. Snapshot it and flush, as the job may die next.
+
+        Its third argument is the device's total memory (or the allowed maximum under
+        set_per_process_memory_fraction), whatever PyTorch's docs call it (CUDACachingAllocator.cpp
+        passes `set_fraction ? allowed_memory_maximum : device_total`); allocated and reserved
+        bytes are read from the allocator's counters, which its lock no longer holds by then."""
         if not self._active or self.cuda_memory is None:
             return
         try:
@@ -278,8 +283,10 @@ class Recorder:
                 self._oom_snapshot_step = self._step
             self.writer.put({"oom_events": {
                 "step": self._step, "time_s": time.time(), "source": "observer", "device": f"cuda:{int(device)}",
-                "requested_bytes": int(alloc), "device_allocated_bytes": int(device_allocated),
-                "device_free_bytes": int(device_free), "rss_bytes": rss_bytes(), "snapshot": snapshot,
+                "requested_bytes": int(alloc), "device_allocated_bytes": torch.cuda.memory_allocated(int(device)),
+                "device_reserved_bytes": torch.cuda.memory_reserved(int(device)),
+                "device_free_bytes": int(device_free), "device_total_bytes": int(device_total),
+                "rss_bytes": rss_bytes(), "snapshot": snapshot,
                 "message": "", "raised_at": "",
             }})
             self._oom_events += 1
@@ -309,7 +316,8 @@ class Recorder:
                 "oom_events": {
                     "step": self._step, "time_s": time.time(), "source": "exception",
                     "device": str(self._device) if cuda else "cpu", "requested_bytes": requested_bytes(message),
-                    "device_allocated_bytes": alloc, "device_free_bytes": -1, "rss_bytes": rss_bytes(),
+                    "device_allocated_bytes": alloc, "device_reserved_bytes": reserved, "device_free_bytes": -1,
+                    "device_total_bytes": -1, "rss_bytes": rss_bytes(),
                     "snapshot": snapshot, "message": message[:4000], "raised_at": raise_site(tb)[:4000],
                 },
                 "oom_tensor_groups": [{"event": event, **g} for g in groups],

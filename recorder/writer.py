@@ -215,8 +215,12 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("source", "str"),  # observer or exception
             Column("device", "str"),
             Column("requested_bytes", "i8"),  # -1: unknown
-            Column("device_allocated_bytes", "i8"),
-            Column("device_free_bytes", "i8"),
+            Column("device_allocated_bytes", "i8"),  # by the caching allocator's tensors
+            Column("device_reserved_bytes", "i8"),  # held by the caching allocator
+            Column("device_free_bytes", "i8"),  # free on the device, as CUDA reports it
+            # The device's memory (or the limit set by set_per_process_memory_fraction): the
+            # observer's third argument (which PyTorch's docs call "device_allocated").
+            Column("device_total_bytes", "i8"),
             Column("rss_bytes", "i8"),
             Column("snapshot", "i4"),  # memory_snapshots row taken then; -1: none
             Column("message", "str"),

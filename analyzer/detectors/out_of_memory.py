@@ -73,7 +73,9 @@ def detect(rt: RankTrace, cfg: OutOfMemoryConfig) -> list[Finding]:
     evidence: dict = {
         "device": device, "requested_bytes": requested,
         "device_allocated_bytes": int(e["device_allocated_bytes"]),
-        "device_free_bytes": int(e["device_free_bytes"]), "rss_bytes": int(e["rss_bytes"]),
+        "device_reserved_bytes": int(e["device_reserved_bytes"]),
+        "device_free_bytes": int(e["device_free_bytes"]), "device_total_bytes": int(e["device_total_bytes"]),
+        "rss_bytes": int(e["rss_bytes"]),
         "events": len(events), "sources": sorted(set(same["source"])),
     }
     if len(exc):
@@ -103,8 +105,9 @@ def detect(rt: RankTrace, cfg: OutOfMemoryConfig) -> list[Finding]:
         if peak is not None:
             evidence["history_peak_bytes"] = peak["bytes"]
         srow = rt.memory_snapshots[rt.memory_snapshots["snapshot"] == snap].iloc[0]
-        reserved, allocated = int(srow["reserved_bytes"]), int(srow["allocated_bytes"])
-        evidence["reserved_bytes"] = reserved
+        reserved, allocated = evidence["device_reserved_bytes"], evidence["device_allocated_bytes"]
+        if reserved < 0 or allocated < 0:
+            reserved, allocated = int(srow["reserved_bytes"]), int(srow["allocated_bytes"])
         if requested > 0 and reserved - allocated >= requested:
             advice += _ADVICE_FRAGMENTED
     groups = rt.oom_tensor_groups
@@ -123,7 +126,10 @@ def detect(rt: RankTrace, cfg: OutOfMemoryConfig) -> list[Finding]:
     evidence["requested_bytes"] = requested
     if cuda:
         state = (f"a request for {_mib(requested)} failed with {_mib(evidence['device_allocated_bytes'])} "
-                 f"allocated and {_mib(evidence['device_free_bytes'])} free on the device")
+                 f"allocated by tensors, {_mib(evidence['device_reserved_bytes'])} reserved by PyTorch's "
+                 f"allocator and {_mib(evidence['device_free_bytes'])} free on the device")
+        if evidence["device_total_bytes"] > 0:
+            state += f" (of {_mib(evidence['device_total_bytes'])})"
     else:
         state = (f"a request for {_mib(requested)} failed with the process holding "
                  f"{_mib(evidence['rss_bytes'])} resident")

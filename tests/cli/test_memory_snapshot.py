@@ -127,7 +127,8 @@ def record_with(run_dir, snapshots, oom_at=None):
                 rec.writer.put({"oom_events": {
                     "step": step, "time_s": 0.0, "source": "observer", "device": "cuda:0",
                     "requested_bytes": 200 * MiB, "device_allocated_bytes": 48 * MiB + 512,
-                    "device_free_bytes": 3 * MiB, "rss_bytes": 10**9, "snapshot": step, "message": "",
+                    "device_reserved_bytes": 130 * MiB, "device_free_bytes": 3 * MiB,
+                    "device_total_bytes": 133 * MiB, "rss_bytes": 10**9, "snapshot": step, "message": "",
                     "raised_at": ""}})
 
 
@@ -194,7 +195,8 @@ def test_a_cuda_oom_names_the_request_the_holders_and_the_site_that_asked(tmp_pa
     assert ev["requested_bytes"] == 200 * MiB and ev["device_free_bytes"] == 3 * MiB and ev["snapshot"] == 1
     assert ev["largest_sites"][0]["site"] == f"{TRAIN}:31 in forward"
     assert ev["failed_request"]["site"] == f"{TRAIN}:40 in loss_fn"
-    assert "a request for 200.0 MiB failed with 48.0 MiB allocated and 3.0 MiB free" in f["summary"]
+    assert ("a request for 200.0 MiB failed with 48.0 MiB allocated by tensors, 130.0 MiB reserved by "
+            "PyTorch's allocator and 3.0 MiB free on the device (of 133.0 MiB)") in f["summary"]
     assert f"The request came from {TRAIN}:40 in loss_fn" in f["summary"]
     # 82 MiB reserved but free could not have served 200 MiB: no fragmentation advice
     assert "expandable_segments" not in f["advice"] and "memory_viz" in f["advice"]
