@@ -269,3 +269,18 @@ def test_a_cpu_out_of_memory_error_leaving_the_recorder_is_an_error_finding(tmp_
     assert f["summary"].startswith("Out of memory at step 12 on cpu: a request for 16.0 PiB failed")
     assert "in forward." in f["summary"] and "test_memory_snapshot.py" in f["summary"]
     assert "13 x [512, 1024] float32 on cpu (26.0 MiB)" in f["summary"]
+
+
+def test_names_from_a_snapshot_are_escaped_in_reports(tmp_path):
+    snap = documented_snapshot()
+    evil = frames(("<script>alert(1)</script>.py", 1, "<b>forward</b>"))
+    snap["segments"][0]["blocks"][0]["frames"] = evil
+    snap["device_traces"][0][-1]["frames"] = evil
+    record_with(tmp_path / "run", [(snap, "oom")], oom_at=0)
+    r = run_cli("analyze", tmp_path / "run", "--html", tmp_path / "r.html", "--pdf", tmp_path / "r.pdf",
+                "--md", tmp_path / "r.md")
+    assert r.returncode == 0, r.stderr
+    html = (tmp_path / "r.html").read_text()
+    assert "<script>alert(1)" not in html and "<b>forward" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;.py:1 in &lt;b&gt;forward&lt;/b&gt;" in html
+    assert (tmp_path / "r.pdf").read_bytes().startswith(b"%PDF")
