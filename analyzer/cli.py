@@ -283,6 +283,15 @@ def info(run_dir):
             spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
             click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
                        f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
+        snaps = rt.memory_snapshots
+        if len(snaps):
+            at = ", ".join(f"{int(x):,}" for x in snaps["step"][:8])
+            click.echo(f"  CUDA memory  {len(snaps)} allocator snapshot(s) at steps {at}{' ...' if len(snaps) > 8 else ''} "
+                       f"(torchautopsy export RUN_DIR --memory-snapshot OUT.pickle --which N)")
+        ooms = rt.oom_events
+        if len(ooms):
+            click.echo(f"  out of memory  {len(ooms)} event(s), first at step {int(ooms['step'].iloc[0]):,} "
+                       f"on {ooms['device'].iloc[0]}")
         if m.get("dropped_steps"):
             click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
         click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
