@@ -214,7 +214,14 @@ class Recorder:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _atexit(self) -> None:
-        self.close(reason="exit")
+        # A job that dies of an uncaught error without `with Recorder(...)`: the interpreter has
+        # set sys.last_value (3.12+: sys.last_exc) before it runs atexit handlers. Not in an
+        # interactive session, where it may be an old error the session went on after.
+        interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+        exc = None if interactive else (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+        if exc is not None and is_out_of_memory(exc):
+            self._on_oom_exception(exc, exc.__traceback__)
+        self.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
     @staticmethod
     def _is_sampled(step: int, every: int) -> bool:

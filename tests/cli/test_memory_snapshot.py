@@ -285,3 +285,31 @@ def test_names_from_a_snapshot_are_escaped_in_reports(tmp_path):
     assert "<script>alert(1)" not in html and "<b>forward" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;.py:1 in &lt;b&gt;forward&lt;/b&gt;" in html
     assert (tmp_path / "r.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_an_out_of_memory_error_that_ends_a_job_without_a_with_block_is_caught_at_exit(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        from torchautopsy import Recorder
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        rec = Recorder(model, sys.argv[1], profile_steps=0)  # no `with`, no close(): the job dies
+        for step in range(20):
+            if step == 7:
+                cache = torch.empty(2**50)  # 4 PiB
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            rec.step(loss=loss)
+    """)
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "can't allocate memory" in r.stderr
+    rt = load(tmp_path / "run").ranks[0]
+    (e,) = rt.oom_events.to_dict("records")
+    assert (e["step"], e["source"], e["requested_bytes"]) == (7, "exception", 2**52)
+    assert rt.meta["end_reason"].startswith("exception: RuntimeError")
