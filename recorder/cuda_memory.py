@@ -208,11 +208,17 @@ class CudaMemoryRecorder:
         return device.type == "cuda" and torch.cuda.is_available() and hasattr(torch.cuda.memory, "_snapshot")
 
     def _start_history(self, max_entries: int) -> None:
-        # A history the job records already (it called _record_memory_history itself) shows in a
-        # snapshot as trace entries or as blocks with stacks: keep it, do not restart it.
-        snap = torch.cuda.memory._snapshot()
-        if any(snap.get("device_traces") or []) or any(
-                b.get("frames") for s in snap.get("segments") or [] for b in s.get("blocks") or []):
+        # A history the job records already (it called _record_memory_history itself): keep it,
+        # do not restart it. torch says so directly where it can (_cuda_isHistoryEnabled); older
+        # versions show it in a snapshot as history entries or as blocks with stacks.
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if enabled is not None:
+            recording = bool(enabled())
+        else:
+            snap = torch.cuda.memory._snapshot()
+            recording = any(snap.get("device_traces") or []) or any(
+                b.get("frames") for s in snap.get("segments") or [] for b in s.get("blocks") or [])
+        if recording:
             self.user_history = True
             return
         try:

@@ -200,3 +200,24 @@ def test_running_out_of_cuda_memory_is_caught_and_analyzed(tmp_path):
     assert r.returncode == 0, r.stderr
     with open(out, "rb") as fh:
         assert "OutOfMemoryError" in _memory_viz.trace(pickle.load(fh))
+
+
+def test_a_cuda_leak_names_the_allocation_site_that_grew(tmp_path):
+    from torchautopsy.analyzer.run import analyze
+
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    kept = []
+
+    def keep_outputs(step):  # a debugging list of 4 MiB device buffers, one per step, never cleared
+        kept.append(torch.zeros(2**20, device=dev))
+
+    with Recorder(model, tmp_path, cuda_snapshot_first=5, cuda_snapshot_every=30, profile_steps=0) as rec:
+        _train(model, rec, 100, dev, hook=keep_outputs)
+    (f,) = [f for f in analyze(load(tmp_path)) if f.kind == "memory_leak"]
+    assert f.evidence["series"] == "cuda_allocated_bytes"
+    site = f.evidence["growing_sites"][0]
+    assert "in keep_outputs" in site["site"] and site["bytes_after"] - site["bytes_before"] >= 60 * 2**22
+    assert "in keep_outputs" in f.summary
+    kept.clear()
+    torch.cuda.empty_cache()
