@@ -180,16 +180,10 @@ class Recorder:
         self.attention = AttentionTracker(self.watcher, self._fail)
         functional.attach(self)
         if CudaMemoryRecorder.available(self._device):
-            self.cuda_memory = CudaMemoryRecorder(self._device, self.config.cuda_memory_history,
-                                                  self.config.cuda_history_entries)
-            ref = weakref.ref(self)
-
-            def on_oom(device, alloc, device_allocated, device_free):  # the allocator's observer
-                rec = ref()
-                if rec is not None:
-                    rec._on_cuda_oom(device, alloc, device_allocated, device_free)
-
-            self.cuda_memory.attach_oom_observer(on_oom)
+            try:
+                self._attach_cuda_memory()
+            except Exception as e:
+                self._cuda_memory_off(e)
         self._attach_gc()
         self._active = True
         self._set_schedule(0)
@@ -250,6 +244,30 @@ class Recorder:
     def on_observer_error(self, e: BaseException) -> None:
         self._fail(e)
 
+    # -- the CUDA allocator's record ----------------------------------------------------------
+    def _attach_cuda_memory(self) -> None:
+        self.cuda_memory = CudaMemoryRecorder(self._device, self.config.cuda_memory_history,
+                                              self.config.cuda_history_entries)
+        ref = weakref.ref(self)
+
+        def on_oom(device, alloc, device_total, device_free):  # the allocator's observer
+            rec = ref()
+            if rec is not None:
+                rec._on_cuda_oom(device, alloc, device_total, device_free)
+
+        self.cuda_memory.attach_oom_observer(on_oom)
+
+    def _cuda_memory_off(self, e: BaseException) -> None:
+        """A failing snapshot or history turns them off, not the rest of the recording."""
+        warnings.warn(f"torchautopsy: CUDA memory snapshots turned off ({type(e).__name__}: {e}); the rest "
+                      "of the recording goes on", RuntimeWarning, stacklevel=3)
+        cm, self.cuda_memory = self.cuda_memory, None
+        if cm is not None:
+            try:
+                cm.stop()
+            except Exception:
+                pass
+
     # -- garbage collector --------------------------------------------------------------------
     def _attach_gc(self) -> None:
         """Time Python's garbage collector (gc.callbacks): a callback per collection, ~1 us."""
@@ -285,9 +303,12 @@ class Recorder:
             snapshot = -1
             if self.cuda_memory.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
                 self.cuda_memory.n_oom_snapshots += 1
-                snapshot, task = self.cuda_memory.take(self._step, "oom")
-                self.writer.put_task(task)
-                self._oom_snapshot_step = self._step
+                try:
+                    snapshot, task = self.cuda_memory.take(self._step, "oom")
+                    self.writer.put_task(task)
+                    self._oom_snapshot_step = self._step
+                except Exception as e:
+                    self._cuda_memory_off(e)
             self.writer.put({"oom_events": {
                 "step": self._step, "time_s": time.time(), "source": "observer", "device": f"cuda:{int(device)}",
                 "requested_bytes": int(alloc), "device_allocated_bytes": torch.cuda.memory_allocated(int(device)),
@@ -308,13 +329,17 @@ class Recorder:
             return
         try:
             message = f"{type(exc).__name__}: {exc}"
-            cuda = self.cuda_memory is not None and ("CUDA" in message or "cuda" in message)
+            cuda = self._device.type == "cuda" and ("CUDA" in message or "cuda" in message)
             snapshot = -1
-            if cuda and self._oom_snapshot_step != self._step \
-                    and self.cuda_memory.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
-                self.cuda_memory.n_oom_snapshots += 1
-                snapshot, task = self.cuda_memory.take(self._step, "exception")
-                self.writer.put_task(task)
+            cm = self.cuda_memory
+            if cuda and cm is not None and self._oom_snapshot_step != self._step \
+                    and cm.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
+                cm.n_oom_snapshots += 1
+                try:
+                    snapshot, task = cm.take(self._step, "exception")
+                    self.writer.put_task(task)
+                except Exception as e:
+                    self._cuda_memory_off(e)
             alloc, reserved, _ = cuda_bytes(self._device) if cuda else (-1, -1, -1)
             _, _, _, groups = tensor_census()
             event = self._oom_events
@@ -515,7 +540,11 @@ class Recorder:
         scheduled = every > 0 and (step == first or (step > first and (step - first) % every == 0))
         if not (scheduled or self._at_peak):
             return None
-        _, task = cm.take(step, "peak" if self._at_peak else "schedule")
+        try:
+            _, task = cm.take(step, "peak" if self._at_peak else "schedule")
+        except Exception as e:
+            self._cuda_memory_off(e)
+            return None
         return task
 
     def _copy_weights(self):
