@@ -8,7 +8,7 @@ import numpy as np
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
 from .context import Context
-from .format import format_number, plural
+from .format import format_number, plural, shorten
 from .model import Recorded, Table
 
 # Tables are cut to this many rows (the ones findings name are kept); the rest is counted.
@@ -108,8 +108,8 @@ def cuda_memory_sites_table(ctx: Context) -> Table | None:
         when = (f"allocator snapshot {n} (step {step:,}, {row['reason']}), the one with the most memory "
                 f"allocated ({int(row['allocated_bytes']) / 2**20:,.0f} MiB)")
     cols = ("allocation site", "MiB", "blocks", "called from")
-    rows = [(g["site"], format_number(g["bytes"] / 2**20), f"{g['blocks']:,}", " <- ".join(g["stack"][1:4]))
-            for g in sites]
+    rows = [(shorten(g["site"], 160), format_number(g["bytes"] / 2**20), f"{g['blocks']:,}",
+             shorten(" <- ".join(g["stack"][1:4]), 300)) for g in sites]
     caption = (f"CUDA memory by the line of the job's code that allocated it (frames inside torch left "
                f"out), at {when}. The whole snapshot opens in https://pytorch.org/memory_viz: "
                f"torchautopsy export RUN_DIR --memory-snapshot OUT.pickle --which {n}.")
