@@ -264,8 +264,8 @@ def info(run_dir):
         span = f"{steps[0]:,}-{steps[-1]:,}" if len(steps) else "none"
         cfg = m.get("config", {})
         try:
-            n_act = len(rt.activation_stat("mean"))
-            n_upd = len(rt.update_ratio())
+            n_act = rt.n_samples("activations")
+            n_upd = rt.n_samples("updates")
         except TraceError:
             n_act = n_upd = 0
         state = "closed cleanly" if rt.closed_cleanly else "not closed (job killed or still running)"
@@ -283,6 +283,15 @@ def info(run_dir):
             spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
             click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
                        f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
+        snaps = rt.memory_snapshots
+        if len(snaps):
+            at = ", ".join(f"{int(x):,}" for x in snaps["step"][:8])
+            click.echo(f"  CUDA memory  {len(snaps)} allocator snapshot(s) at steps {at}{' ...' if len(snaps) > 8 else ''} "
+                       f"(torchautopsy export RUN_DIR --memory-snapshot OUT.pickle --which N)")
+        ooms = rt.oom_events
+        if len(ooms):
+            click.echo(f"  out of memory  {len(ooms)} event(s), first at step {int(ooms['step'].iloc[0]):,} "
+                       f"on {ooms['device'].iloc[0]}")
         if m.get("dropped_steps"):
             click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
         click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
@@ -297,29 +306,52 @@ def info(run_dir):
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Write a torch.profiler window as a Chrome trace (opens in Perfetto, chrome://tracing).")
 @click.option("--window", type=int, default=0, show_default=True, help="Which profiler window.")
+@click.option("--memory-snapshot", "snapshot_path", type=click.Path(dir_okay=False), metavar="OUT.pickle",
+              help="Write a CUDA memory snapshot as the pickle torch.cuda.memory._dump_snapshot() writes "
+                   "(drag it onto https://pytorch.org/memory_viz).")
+@click.option("--which", default=None, metavar="N|last|peak|oom",
+              help="Which memory snapshot (default: the one taken when memory ran out, else the last).")
 @click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
-def export(run_dir, profile_path, window, rank):
+def export(run_dir, profile_path, window, snapshot_path, which, rank):
     """Export data recorded in RUN_DIR in the formats other tools read."""
-    if not profile_path:
-        raise click.UsageError("nothing to export: give --profile OUT.json")
+    if not profile_path and not snapshot_path:
+        raise click.UsageError("nothing to export: give --profile OUT.json or --memory-snapshot OUT.pickle")
+    _check_writable(profile_path, snapshot_path)
     trace = _load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
     if rank not in trace.ranks:
         raise InputError(f"{run_dir} has no rank {rank} (ranks: {', '.join(map(str, trace.ranks))})")
+    rt = trace.ranks[rank]
+    outputs = []
     try:
-        data = trace.ranks[rank].profile_trace(window)
+        if profile_path:
+            data = rt.profile_trace(window)
+            w = rt.profile_windows
+            row = w[w["window"] == window].iloc[0]
+            outputs.append((profile_path, data, f"profiler window {window} of rank {rank}, steps "
+                            f"{int(row['step_start'])}-{int(row['step_end'])}"))
+        if snapshot_path:
+            outputs.append(_memory_snapshot(rt, which, rank, snapshot_path))
     except TraceError as e:
         raise InputError(str(e)) from None
-    try:
-        with open(profile_path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise InputError(f"cannot write {profile_path}: {e.strerror or e}") from None
-    w = trace.ranks[rank].profile_windows
-    row = w[w["window"] == window].iloc[0]
-    click.echo(f"wrote {profile_path}: profiler window {window} of rank {rank}, steps "
-               f"{int(row['step_start'])}-{int(row['step_end'])} ({len(data) / 2**20:.1f} MiB)")
+    for path, data, what in outputs:
+        _write(path, data)
+        click.echo(f"wrote {path}: {what} ({len(data) / 2**20:.1f} MiB)")
+
+
+def _memory_snapshot(rt, which, rank, path):
+    """(path, pickle bytes, description) of one CUDA memory snapshot, rebuilt from its rows.
+    Pickle is the viewer's format: written for the user, never read by torchautopsy."""
+    import pickle
+
+    from .memory_snapshot import pick_snapshot, snapshot_dict
+
+    n = pick_snapshot(rt, which)
+    snap = snapshot_dict(rt, n)
+    row = rt.memory_snapshots[rt.memory_snapshots["snapshot"] == n].iloc[0]
+    return (path, pickle.dumps(snap),
+            f"CUDA memory snapshot {n} of rank {rank} ({row['reason']}, step {int(row['step']):,})")
 
 
 if __name__ == "__main__":

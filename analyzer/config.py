@@ -225,6 +225,14 @@ class HostDeviceCopiesConfig:
 
 
 @dataclass(frozen=True)
+class OutOfMemoryConfig:
+    # How many allocation sites / tensor groups the finding lists, and how many frames of the
+    # line that raised the error (enough to name the layer, short enough for a ticket).
+    max_listed: int = 5
+    max_frames: int = 4
+
+
+@dataclass(frozen=True)
 class AnalysisConfig:
     exploding_gradients: ExplodingGradientsConfig = field(default_factory=ExplodingGradientsConfig)
     vanishing_gradients: VanishingGradientsConfig = field(default_factory=VanishingGradientsConfig)
@@ -239,3 +247,4 @@ class AnalysisConfig:
     slow_steps: SlowStepsConfig = field(default_factory=SlowStepsConfig)
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
     host_device_copies: HostDeviceCopiesConfig = field(default_factory=HostDeviceCopiesConfig)
+    out_of_memory: OutOfMemoryConfig = field(default_factory=OutOfMemoryConfig)

@@ -37,6 +37,22 @@ class RecorderConfig:
     profile_first: int = 10
     profile_steps: int = 2
     profile_every: int = 1000
+    # CUDA only: the caching allocator's own record (cuda_memory.py). Its history of allocations
+    # and frees (torch.cuda.memory._record_memory_history, Python stacks, kept for allocations
+    # only) is bounded to this many events: PyTorch documents each as up to several KB of host
+    # memory, so 10,000 keep it to tens of MB while covering a few steps of a large model. A job
+    # that records a history itself keeps its own. False: no history (snapshots then show blocks
+    # without stacks).
+    cuda_memory_history: bool = True
+    cuda_history_entries: int = 10_000
+    # Snapshots of the allocator (torch.cuda.memory._snapshot(), converted to tables, no pickle):
+    # at step `cuda_snapshot_first`, then every `cuda_snapshot_every` steps (0: none on a
+    # schedule), when memory climbs to a new high (with the census), and when memory runs out.
+    # At most `cuda_snapshot_max` on a schedule and at peaks (each holds up to
+    # cuda_history_entries history rows, ~0.5 MB).
+    cuda_snapshot_first: int = 10
+    cuda_snapshot_every: int = 1000
+    cuda_snapshot_max: int = 50
     # The writer thread writes and flushes the file at least this often (seconds). A job killed
     # by SIGKILL loses at most this much.
     flush_every_s: float = 5.0
@@ -54,7 +70,12 @@ class RecorderConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Recorder option {f} must be a positive integer, got {v!r}")
-        for f in ("profile_first", "profile_steps"):
+        if not isinstance(self.cuda_memory_history, bool):
+            raise ValueError(f"Recorder option cuda_memory_history must be True or False, got {self.cuda_memory_history!r}")
+        if not isinstance(self.cuda_history_entries, int) or self.cuda_history_entries < 1:
+            raise ValueError("Recorder option cuda_history_entries must be a positive integer, got "
+                             f"{self.cuda_history_entries!r}")
+        for f in ("profile_first", "profile_steps", "cuda_snapshot_first", "cuda_snapshot_every", "cuda_snapshot_max"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"Recorder option {f} must be an integer >= 0, got {getattr(self, f)!r}")
         if not 0 < self.census_budget <= 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ from . import functional
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .config import RecorderConfig
+from .cuda_memory import CudaMemoryRecorder, is_out_of_memory, raise_site, requested_bytes
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
@@ -102,6 +105,14 @@ class Recorder:
         self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
         self._saw_loader = False
         self._step_times: list[float] = []
+        self._at_peak = False  # this step's memory is a new high (a census was taken for it)
+        self.cuda_memory = None
+        self._oom_events = 0
+        self._oom_snapshot_step = -1
+        self._gc_s = 0.0  # time in Python's garbage collector since the last rec.step()
+        self._gc_gen2 = 0
+        self._gc_t0 = None
+        self._gc_callback = None
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -168,6 +179,12 @@ class Recorder:
                                         self.config.profile_every, self._device)
         self.attention = AttentionTracker(self.watcher, self._fail)
         functional.attach(self)
+        if CudaMemoryRecorder.available(self._device):
+            try:
+                self._attach_cuda_memory()
+            except Exception as e:
+                self._cuda_memory_off(e)
+        self._attach_gc()
         self._active = True
         self._set_schedule(0)
         self.profiler.begin(0)
@@ -191,7 +208,14 @@ class Recorder:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _atexit(self) -> None:
-        self.close(reason="exit")
+        # A job that dies of an uncaught error without `with Recorder(...)`: the interpreter has
+        # set sys.last_value (3.12+: sys.last_exc) before it runs atexit handlers. Not in an
+        # interactive session, where it may be an old error the session went on after.
+        interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+        exc = None if interactive else (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+        if exc is not None and is_out_of_memory(exc):
+            self._on_oom_exception(exc, exc.__traceback__)
+        self.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
     @staticmethod
     def _is_sampled(step: int, every: int) -> bool:
@@ -219,6 +243,119 @@ class Recorder:
 
     def on_observer_error(self, e: BaseException) -> None:
         self._fail(e)
+
+    # -- the CUDA allocator's record ----------------------------------------------------------
+    def _attach_cuda_memory(self) -> None:
+        self.cuda_memory = CudaMemoryRecorder(self._device, self.config.cuda_memory_history,
+                                              self.config.cuda_history_entries)
+        ref = weakref.ref(self)
+
+        def on_oom(device, alloc, device_total, device_free):  # the allocator's observer
+            rec = ref()
+            if rec is not None:
+                rec._on_cuda_oom(device, alloc, device_total, device_free)
+
+        self.cuda_memory.attach_oom_observer(on_oom)
+
+    def _cuda_memory_off(self, e: BaseException) -> None:
+        """A failing snapshot or history turns them off, not the rest of the recording."""
+        warnings.warn(f"torchautopsy: CUDA memory snapshots turned off ({type(e).__name__}: {e}); the rest "
+                      "of the recording goes on", RuntimeWarning, stacklevel=3)
+        cm, self.cuda_memory = self.cuda_memory, None
+        if cm is not None:
+            try:
+                cm.stop()
+            except Exception:
+                pass
+
+    # -- garbage collector --------------------------------------------------------------------
+    def _attach_gc(self) -> None:
+        """Time Python's garbage collector (gc.callbacks): a callback per collection, ~1 us."""
+        ref = weakref.ref(self)
+
+        def on_gc(phase, info):
+            rec = ref()
+            if rec is None:
+                return
+            if phase == "start":
+                rec._gc_t0 = time.perf_counter()
+            elif rec._gc_t0 is not None:
+                rec._gc_s += time.perf_counter() - rec._gc_t0
+                rec._gc_t0 = None
+                if info.get("generation") == 2:
+                    rec._gc_gen2 += 1
+
+        self._gc_callback = on_gc
+        gc.callbacks.append(on_gc)
+
+    # -- running out of memory ----------------------------------------------------------------
+    def _on_cuda_oom(self, device, alloc, device_total, device_free) -> None:
+        """The CUDA allocator's out-of-memory observer: called before it raises, with the state
+        that made it fail still in place. Snapshot it and flush, as the job may die next.
+
+        Its third argument is the device's total memory (or the allowed maximum under
+        set_per_process_memory_fraction), whatever PyTorch's docs call it (CUDACachingAllocator.cpp
+        passes `set_fraction ? allowed_memory_maximum : device_total`); allocated and reserved
+        bytes are read from the allocator's counters, which its lock no longer holds by then."""
+        if not self._active or self.cuda_memory is None:
+            return
+        try:
+            snapshot = -1
+            if self.cuda_memory.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
+                self.cuda_memory.n_oom_snapshots += 1
+                try:
+                    snapshot, task = self.cuda_memory.take(self._step, "oom")
+                    self.writer.put_task(task)
+                    self._oom_snapshot_step = self._step
+                except Exception as e:
+                    self._cuda_memory_off(e)
+            self.writer.put({"oom_events": {
+                "step": self._step, "time_s": time.time(), "source": "observer", "device": f"cuda:{int(device)}",
+                "requested_bytes": int(alloc), "device_allocated_bytes": torch.cuda.memory_allocated(int(device)),
+                "device_reserved_bytes": torch.cuda.memory_reserved(int(device)),
+                "device_free_bytes": int(device_free), "device_total_bytes": int(device_total),
+                "rss_bytes": rss_bytes(), "snapshot": snapshot,
+                "message": "", "raised_at": "",
+            }})
+            self._oom_events += 1
+            self.writer.flush()
+        except Exception as e:
+            self._fail(e)
+
+    def _on_oom_exception(self, exc: BaseException, tb) -> None:
+        """An out-of-memory error leaving the `with Recorder(...)` block: what was live then (a
+        census, and on CUDA a snapshot unless the observer took one for this step)."""
+        if not self._active:
+            return
+        try:
+            message = f"{type(exc).__name__}: {exc}"
+            cuda = self._device.type == "cuda" and ("CUDA" in message or "cuda" in message)
+            snapshot = -1
+            cm = self.cuda_memory
+            if cuda and cm is not None and self._oom_snapshot_step != self._step \
+                    and cm.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
+                cm.n_oom_snapshots += 1
+                try:
+                    snapshot, task = cm.take(self._step, "exception")
+                    self.writer.put_task(task)
+                except Exception as e:
+                    self._cuda_memory_off(e)
+            alloc, reserved, _ = cuda_bytes(self._device) if cuda else (-1, -1, -1)
+            _, _, _, groups = tensor_census()
+            event = self._oom_events
+            self._oom_events += 1
+            self.writer.put({
+                "oom_events": {
+                    "step": self._step, "time_s": time.time(), "source": "exception",
+                    "device": str(self._device) if cuda else "cpu", "requested_bytes": requested_bytes(message),
+                    "device_allocated_bytes": alloc, "device_reserved_bytes": reserved, "device_free_bytes": -1,
+                    "device_total_bytes": -1, "rss_bytes": rss_bytes(),
+                    "snapshot": snapshot, "message": message[:4000], "raised_at": raise_site(tb)[:4000],
+                },
+                "oom_tensor_groups": [{"event": event, **g} for g in groups],
+            })
+        except Exception as e:
+            self._fail(e)
 
     # -- per step -----------------------------------------------------------------------------
     def step(self, loss=None) -> None:
@@ -338,9 +475,14 @@ class Recorder:
         rows["steps"].update(census)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
+        rows["steps"].update({"gc_s": self._gc_s, "gc_gen2": self._gc_gen2})
+        self._gc_s, self._gc_gen2 = 0.0, 0
+        snapshot_task = self._cuda_snapshot(step)
         rows["module_outputs"] = self.watcher.take_new_shapes()
         rows["steps"].update(self._timing(t_called))
         self.writer.put(rows)
+        if snapshot_task is not None:
+            self.writer.put_task(snapshot_task)
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
@@ -371,6 +513,7 @@ class Recorder:
         self._step_times.append(now)
         peak = (memory > 1.1 * self._census_peak and memory - self._census_peak > 64 * 2**20
                 and step - self._last_census >= 10)
+        self._at_peak = peak
         if step < self._next_census and not peak:
             return none, []
         self._census_peak = max(self._census_peak, memory)
@@ -386,6 +529,23 @@ class Recorder:
             gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
         self._next_census = max(self._next_census, step + gap)
         return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}, groups
+
+    def _cuda_snapshot(self, step: int):
+        """A snapshot of the CUDA allocator on its schedule or at a memory peak (the census's
+        trigger), as a writer task; None on other steps."""
+        cm, cfg = self.cuda_memory, self.config
+        if cm is None or cm.n_snapshots - cm.n_oom_snapshots >= cfg.cuda_snapshot_max:
+            return None
+        first, every = cfg.cuda_snapshot_first, cfg.cuda_snapshot_every
+        scheduled = every > 0 and (step == first or (step > first and (step - first) % every == 0))
+        if not (scheduled or self._at_peak):
+            return None
+        try:
+            _, task = cm.take(step, "peak" if self._at_peak else "schedule")
+        except Exception as e:
+            self._cuda_memory_off(e)
+            return None
+        return task
 
     def _copy_weights(self):
         # One copy of the weights, taken every update_ratio_every steps for the update ratio.
@@ -417,6 +577,10 @@ class Recorder:
         if getattr(self, "profiler", None) is not None:
             self.profiler.abort()
         functional.detach(self)
+        if self._gc_callback is not None and self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
+        if getattr(self, "cuda_memory", None) is not None:
+            self.cuda_memory.stop()
         if self.attention is not None:
             self.attention.remove()
         if self.watcher is not None:
@@ -467,5 +631,7 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and is_out_of_memory(exc):
+            self._on_oom_exception(exc, tb)
         self.close(reason="closed" if exc_type is None else f"exception: {exc_type.__name__}: {exc}"[:1000])
         return False

@@ -71,6 +71,10 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("live_tensors", "i8"),
             Column("live_tensor_bytes", "i8"),
             Column("live_tensors_with_graph", "i8"),
+            # Python's garbage collector during the step (gc.callbacks): seconds spent collecting,
+            # and how many full (generation 2) collections ran.
+            Column("gc_s", "f4"),
+            Column("gc_gen2", "i4"),
         ],
         "params": [
             Column("grad_norm", "f4", n_params),
@@ -139,6 +143,98 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("device_total_us", "f8"),
             Column("cpu_memory_bytes", "i8"),
             Column("device_memory_bytes", "i8"),
+        ],
+        # The CUDA caching allocator's snapshots (cuda_memory.py), one row each; their segments,
+        # blocks and history entries in the tables below, keyed by `snapshot`. `keys` columns: a
+        # bit mask of the optional keys the snapshot's dicts had (cuda_memory.*_KEYS order).
+        "memory_snapshots": [
+            Column("snapshot", "i4"),
+            Column("step", "i8"),  # the step it was taken in (at rec.step(), or when memory ran out)
+            Column("reason", "str"),  # schedule, peak, oom, exception
+            Column("time_s", "f8"),
+            Column("device", "i4"),
+            Column("allocated_bytes", "i8"),
+            Column("reserved_bytes", "i8"),
+            Column("n_device_traces", "i4"),
+            Column("allocator_settings", "str"),  # JSON; "" when the snapshot had none
+            Column("keys", "i4"),
+        ],
+        "memory_segments": [
+            Column("snapshot", "i4"),
+            Column("device", "i8"),
+            Column("address", "i8"),
+            Column("total_size", "i8"),
+            Column("allocated_size", "i8"),
+            Column("active_size", "i8"),
+            Column("requested_size", "i8"),
+            Column("stream", "i8"),
+            Column("segment_type", "str"),
+            Column("pool_a", "i8"),
+            Column("pool_b", "i8"),
+            Column("is_expandable", "i1"),
+            Column("stack", "i8"),  # row of memory_stacks; -1: none
+            Column("keys", "i4"),
+            Column("extra", "str"),  # keys not listed here, as JSON ("" if none)
+        ],
+        "memory_blocks": [
+            Column("snapshot", "i4"),
+            Column("segment", "i4"),  # index of its segment among the snapshot's segments
+            Column("address", "i8"),
+            Column("size", "i8"),
+            Column("requested_size", "i8"),
+            Column("state", "str"),  # active_allocated, active_pending_free, inactive
+            Column("stack", "i8"),
+            Column("keys", "i4"),
+            Column("extra", "str"),
+        ],
+        "memory_trace": [  # the allocator's history (ring buffer) as of the snapshot
+            Column("snapshot", "i4"),
+            Column("device", "i4"),
+            Column("action", "str"),  # alloc, free_requested, free_completed, segment_alloc, ..., oom
+            Column("addr", "i8"),
+            Column("device_free", "i8"),  # oom entries only
+            Column("size", "i8"),
+            Column("stream", "i8"),
+            Column("time_us", "i8"),
+            Column("compile_context", "str"),
+            Column("user_metadata", "str"),
+            Column("stack", "i8"),
+            Column("keys", "i4"),
+            Column("extra", "str"),
+        ],
+        # Stack frames, each stored once; a stack is a run of rows of memory_stack_frames.
+        "memory_frames": [Column("filename", "str"), Column("line", "i8"), Column("name", "str"),
+                          Column("keys", "i4"), Column("extra", "str")],
+        "memory_stacks": [Column("first", "i8"), Column("length", "i4")],
+        "memory_stack_frames": [Column("frame", "i8")],
+        # Running out of memory: the allocator's out-of-memory observer (CUDA) or an
+        # out-of-memory exception leaving the `with Recorder(...)` block (CUDA or CPU).
+        "oom_events": [
+            Column("step", "i8"),  # the step that was running (no rec.step() came for it)
+            Column("time_s", "f8"),
+            Column("source", "str"),  # observer or exception
+            Column("device", "str"),
+            Column("requested_bytes", "i8"),  # -1: unknown
+            Column("device_allocated_bytes", "i8"),  # by the caching allocator's tensors
+            Column("device_reserved_bytes", "i8"),  # held by the caching allocator
+            Column("device_free_bytes", "i8"),  # free on the device, as CUDA reports it
+            # The device's memory (or the limit set by set_per_process_memory_fraction): the
+            # observer's third argument (which PyTorch's docs call "device_allocated").
+            Column("device_total_bytes", "i8"),
+            Column("rss_bytes", "i8"),
+            Column("snapshot", "i4"),  # memory_snapshots row taken then; -1: none
+            Column("message", "str"),
+            Column("raised_at", "str"),  # innermost frames of the exception, "file:line in fn" lines
+        ],
+        # The tensor census taken when memory ran out, by group as in census_groups.
+        "oom_tensor_groups": [
+            Column("event", "i4"),  # row of oom_events
+            Column("device", "str"),
+            Column("dtype", "str"),
+            Column("shape", "str"),
+            Column("graph", "i1"),
+            Column("count", "i8"),
+            Column("bytes", "i8"),
         ],
         "attention_sites": [
             Column("module", "i4"),

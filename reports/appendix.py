@@ -8,7 +8,7 @@ import numpy as np
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
 from .context import Context
-from .format import format_number, plural
+from .format import format_number, plural, shorten
 from .model import Recorded, Table
 
 # Tables are cut to this many rows (the ones findings name are kept); the rest is counted.
@@ -81,6 +81,39 @@ def memory_peak_table(ctx: Context) -> Table | None:
                  cols, rows, (False, False, False, False, True, True),
                  more=(f"{plural(len(top) - MAX_GROUPS, 'more group')} in trace.ranks[r].census_groups"
                        if len(top) > MAX_GROUPS else ""), widths=(10, 10, 24, 12, 10, 10))
+
+
+def cuda_memory_sites_table(ctx: Context) -> Table | None:
+    """What held the CUDA memory at its peak, by allocation site: the allocator snapshot with the
+    most memory allocated, walked back through its history to the moment of most memory (its
+    live blocks as they were then), grouped by the line of the job's code that allocated them.
+    None without CUDA snapshots."""
+    from ..analyzer.memory_snapshot import history_peak, live_sites
+
+    rt = ctx.focus
+    snaps = _safe(lambda: rt.memory_snapshots)
+    if snaps is None or not len(snaps):
+        return None
+    row = snaps.iloc[int(np.argmax(snaps["allocated_bytes"].to_numpy()))]
+    n, step = int(row["snapshot"]), int(row["step"])
+    peak = _safe(lambda: history_peak(rt, n, top=MAX_GROUPS))
+    if peak is not None:
+        sites, total = peak["sites"], peak["bytes"]
+        when = (f"the moment of most memory in the allocator's history up to snapshot {n} (step {step:,}, "
+                f"{row['reason']}): {total / 2**20:,.0f} MiB live")
+    else:
+        sites = _safe(lambda: live_sites(rt, n, top=MAX_GROUPS)) or []
+        when = (f"allocator snapshot {n} (step {step:,}, {row['reason']}), the one with the most memory "
+                f"allocated ({int(row['allocated_bytes']) / 2**20:,.0f} MiB)")
+    cols = ("allocation site", "MiB", "blocks", "called from")
+    rows = [(shorten(g["site"], 160), format_number(g["bytes"] / 2**20), f"{g['blocks']:,}",
+             shorten(" <- ".join(g["stack"][1:4]), 300)) for g in sites]
+    caption = (f"CUDA memory by the line of the job's code that allocated it (frames inside torch left "
+               f"out), at {when}. The whole snapshot opens in https://pytorch.org/memory_viz: "
+               f"torchautopsy export RUN_DIR --memory-snapshot OUT.pickle --which {n}.")
+    return Table("CUDA memory at its peak, by allocation site"
+                 + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else ""), caption, cols, rows,
+                 (False, True, True, False), widths=(34, 10, 8, 48))
 
 
 # Operators listed from a profiler window.
@@ -213,6 +246,16 @@ def recorded(ctx: Context) -> list[Recorded]:
                             f"{int(a):,}-{int(b):,}" for a, b in zip(windows["step_start"][:6], windows["step_end"][:6]))
                         + (" ..." if nw > 6 else "") + " (torchautopsy export RUN_DIR --profile OUT.json)"
                         if nw else "none (the run ended before the first window, or profile_steps=0)"))
+    snaps = _safe(lambda: rt.memory_snapshots)
+    ns = 0 if snaps is None else len(snaps)
+    out.append(Recorded("CUDA allocator snapshots and history", ns > 0,
+                        f"{plural(ns, 'snapshot')} at steps " + ", ".join(f"{int(x):,}" for x in snaps["step"][:6])
+                        + (" ..." if ns > 6 else "") + " (torchautopsy export RUN_DIR --memory-snapshot OUT.pickle)"
+                        if ns else "none (recorded on CUDA models only)"))
+    ooms = _safe(lambda: rt.oom_events)
+    if ooms is not None and len(ooms):
+        out.append(Recorded("Out-of-memory events", True, f"{plural(len(ooms), 'event')}, first at step "
+                            f"{int(ooms['step'].iloc[0]):,}"))
     dropped = int(rt.meta.get("dropped_steps", 0) or 0)
     out.append(Recorded("Every step", dropped == 0, "no step dropped" if not dropped else
                         f"{plural(dropped, 'step')} dropped: the writer fell behind"))

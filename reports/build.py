@@ -57,6 +57,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
     tasks.append(("appendix: parameters", lambda: tables.append(appendix.parameter_table(ctx))))
     tasks.append(("appendix: modules", lambda: tables.append(appendix.module_table(ctx))))
     tasks.append(("appendix: memory peak", lambda: tables.extend(t for t in [appendix.memory_peak_table(ctx)] if t)))
+    tasks.append(("appendix: CUDA memory sites",
+                  lambda: tables.extend(t for t in [appendix.cuda_memory_sites_table(ctx)] if t)))
     tasks.append(("appendix: profiler", lambda: tables.extend(t for t in [appendix.profile_table(ctx)] if t)))
     for done, (label, run) in enumerate(tasks):
         if progress:

@@ -48,6 +48,9 @@ attention_entropy_lr (nn.TransformerEncoder), attention_sink_mask (F.scaled_dot_
 leak_losses_mlp (MLP), leak_hook_gru (GRU)
     The training loop keeps every step's graph; a forward hook keeps every step's GRU outputs.
     step 0 (from the first iteration on, by construction).
+oom_pairwise_mlp (MLP)
+    A periodic retrieval metric builds an all-pairs tensor over a 2**20-item feature bank: the CPU
+    allocator refuses the request and the job dies. step: the step it ran in (by construction).
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ CASES = (
     "dead_relu_lr", "dead_relu_cnn_init",
     "attention_entropy_lr", "attention_sink_mask",
     "leak_losses_mlp", "leak_hook_gru",
+    "oom_pairwise_mlp",
 )
 ARCHITECTURE = {
     "healthy_mlp": "MLP", "healthy_cnn_bn": "CNN + BatchNorm", "healthy_transformer": "transformer encoder",
@@ -124,7 +128,7 @@ ARCHITECTURE = {
     "nan_attention_mask": "transformer encoder (hand-written attention)", "nan_backward_sqrt": "Siamese MLP", "dead_relu_lr": "MLP",
     "dead_relu_cnn_init": "CNN (F.relu in forward)", "attention_entropy_lr": "transformer encoder (nn.TransformerEncoder)",
     "attention_sink_mask": "transformer encoder (F.scaled_dot_product_attention)", "leak_losses_mlp": "MLP",
-    "leak_hook_gru": "GRU",
+    "leak_hook_gru": "GRU", "oom_pairwise_mlp": "MLP",
 }
 
 
@@ -864,6 +868,58 @@ def leak_hook_gru(run_dir: str) -> dict:
         "cause": "a forward hook on gru appends output.detach() to a list every step",
         "kept_tensors": len(hidden_states), "kept_mib": round(kept, 1),
         "kept_mib_per_step": round(kept / len(hidden_states), 3)})
+
+
+# -- running out of memory ----------------------------------------------------------------------------
+
+# Items in the retrieval bank of oom_pairwise_mlp: their all-pairs difference tensor is
+# 2**20 x 2**20 x 64 float32 = 256 TiB, which no machine's allocator grants (it is refused at once,
+# before any page is touched, so making the sample is safe on a shared machine).
+OOM_BANK_ITEMS = 2**20
+OOM_STEP = 60
+
+
+def _pairwise_retrieval(model: nn.Module, bank_inputs: torch.Tensor) -> float:
+    """Mean distance to the nearest other item of the bank, in the first layer's feature space,
+    written with broadcasting (the bug: fine on the 512-item bank it was tried on)."""
+    feats = model.fc1(bank_inputs).detach()
+    d = (feats[:, None, :] - feats[None, :, :]).norm(dim=-1)  # items x items x features first
+    return float(d.topk(2, largest=False).values[:, 1].mean())
+
+
+def oom_pairwise_mlp(run_dir: str) -> dict:
+    """healthy_mlp's model, data and recipe (Adam 1e-3), plus a retrieval metric every 60 steps
+    over a bank of 2**20 inputs. At step 60 the metric asks for a 256 TiB all-pairs tensor: the CPU
+    allocator raises, the error leaves the `with Recorder(...)` block and the job ends. The
+    recorder keeps the error, where it was raised and a census of live tensors (the largest: the
+    bank's 2**20 x 16 inputs and their 2**20 x 64 features)."""
+    x, y = teacher_regression(seed=1)
+    model = relu_mlp(seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    b = batches(len(x), seed=2)
+    bank = torch.randn(OOM_BANK_ITEMS, x.shape[1], generator=torch.Generator().manual_seed(3))
+
+    def batch(step):
+        if step and step % OOM_STEP == 0:
+            _pairwise_retrieval(model, bank)
+        idx = next(b)
+        return (x[idx],), y[idx]
+
+    try:
+        _train(model, run_dir, 200, batch, F.mse_loss, opt)
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e):
+            raise
+        message = str(e).split("DefaultCPUAllocator: ", 1)[-1][:120]
+    else:
+        raise SystemExit("oom_pairwise_mlp: the pairwise tensor was allocated (no out-of-memory error)")
+    t = read_trace(run_dir)
+    if len(t["step"]) != OOM_STEP:
+        raise SystemExit(f"oom_pairwise_mlp: {len(t['step'])} steps recorded, expected {OOM_STEP}")
+    print(f"  out of memory at step {OOM_STEP}: {message}")
+    return {"kind": "out_of_memory", "step": OOM_STEP, "where": [], "evidence": {
+        "cause": "all-pairs differences over a 2**20-item bank by broadcasting: 2**20 x 2**20 x 64 float32",
+        "requested_bytes": OOM_BANK_ITEMS * OOM_BANK_ITEMS * 64 * 4, "error": message}}
 
 
 def step_tolerance(kind, step) -> int:

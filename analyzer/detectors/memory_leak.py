@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import MemoryLeakConfig
 from ..findings import Finding
+from ..memory_snapshot import site_growth
 from ..trace import RankTrace
 
 KIND = "memory_leak"
@@ -105,6 +106,8 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
         cause, advice, where = group["cause"], group["advice"], group["modules"]
         begin = min(begin, group["growing_since_step"])
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
+    if column == "cuda_allocated_bytes":
+        cause += _growing_site(rt, int(x[0]), evidence)
     mb = slope / 2**20
     per = f"{mb:.2f} MiB" if abs(mb) >= 0.01 else f"{slope / 1024:.1f} KiB"
     summary = (f"Memory leak: the {label} grows steadily by {per} per step, "
@@ -205,3 +208,25 @@ def _census(rt, steps, evidence) -> tuple[str, str]:
         return (f"Live tensors grow by {n_slope:.1f} per step ({b_slope / 1024:.1f} KiB per step): "
                 f"tensors accumulate across iterations.", _ADVICE_TENSORS)
     return ("The live tensors visible to Python do not grow.", _ADVICE_OTHER)
+
+
+def _growing_site(rt, start: int, evidence: dict) -> str:
+    """On CUDA, the allocation site whose live memory grew most between the first and the last
+    allocator snapshot of the analysed steps (snapshots taken when memory ran out left out)."""
+    snaps = rt.memory_snapshots
+    if not len(snaps):
+        return ""
+    snaps = snaps[~snaps["reason"].isin(["oom", "exception"])]
+    later = snaps[snaps["step"] >= start]
+    snaps = later if len(later) >= 2 else snaps
+    if len(snaps) < 2:
+        return ""
+    a, b = snaps.iloc[0], snaps.iloc[-1]
+    grew = site_growth(rt, int(a["snapshot"]), int(b["snapshot"]))
+    if not grew:
+        return ""
+    evidence["growing_sites"] = [{**g, "steps": [int(a["step"]), int(b["step"])]} for g in grew]
+    g = grew[0]
+    return (f" In the CUDA allocator's snapshots, the allocation site whose live memory grew most is "
+            f"{g['site']}: {g['bytes_before'] / 2**20:,.1f} -> {g['bytes_after'] / 2**20:,.1f} MiB "
+            f"({g['blocks_before']} -> {g['blocks_after']} blocks) from step {int(a['step'])} to step {int(b['step'])}.")

@@ -1,6 +1,15 @@
-"""slow_steps (info): steps slower than `ratio` x the median step, each with the phase that made
-it slow (waiting for data, forward, or backward and optimizer). Steps the recorder slowed on
-purpose (profiler windows, a tensor census) are left out."""
+"""slow_steps (info): steps slower than `ratio` x the median step, and what was different in them.
+
+For each outlier: which phase grew against its median (waiting for data, other work between
+steps, forward, backward and optimizer, the recorder), and what coincided with it — the first
+step (lazy initialisation, warm-up), a profiler window, a tensor census, a CUDA allocator
+snapshot, a jump in memory (resident, CUDA reserved: new cudaMalloc segments are slow, CUDA
+allocated), or Python's garbage collector (time spent collecting, full collections).
+
+Outliers the recorder made on purpose (profiler windows, steps whose extra time is the
+recorder's own: a census, a snapshot) and the first step are listed as expected; only the others
+make a finding. The median is taken over steps outside profiler windows, after the first.
+"""
 
 from __future__ import annotations
 
@@ -14,40 +23,110 @@ from ._step_time import PHASE_NAMES, PHASES, phases
 KIND = "slow_steps"
 REQUIRES = ("steps/forward_s",)
 
+MIB = 2**20
+# A memory change between two steps counts as a jump when it is at least this large and 10x the
+# median change: on the five healthy sample traces RSS moves by 0 MiB at the median step, at most
+# 10-46 MiB in one step (measured), so 64 MiB is more than a healthy allocator's step.
+MEMORY_JUMP_BYTES = 64 * MIB
+
+
+def _jumps(values: np.ndarray) -> np.ndarray:
+    """Per step, the change from the previous step where it is a jump, else 0."""
+    v = values.astype(float)
+    d = np.zeros_like(v)
+    if len(v) < 2:
+        return d
+    d[1:] = np.diff(v)
+    d[1:][(v[1:] < 0) | (v[:-1] < 0)] = 0.0  # not measured (-1)
+    typical = float(np.median(np.abs(d[1:]))) if len(d) > 1 else 0.0
+    return np.where(np.abs(d) >= max(MEMORY_JUMP_BYTES, 10 * typical), d, 0.0)
+
 
 def detect(rt: RankTrace, cfg: SlowStepsConfig) -> list[Finding]:
     t, total = phases(rt)
     ok = np.isfinite(total) & (total > 0)
-    ok[0] = False  # the first step pays for lazy initialisation
-    # Steps the recorder itself slowed on purpose are not outliers of the training: profiler
-    # windows, and steps whose extra time is the recorder's own (a census).
     steps = rt.step_index
-    for a, b in zip(rt.profile_windows.get("step_start", []), rt.profile_windows.get("step_end", [])):
-        ok &= ~((steps >= a) & (steps <= b))
-    ok &= ~(t[:, 3] > 0.5 * total)
-    if ok.sum() < cfg.min_steps:
+    in_window = np.zeros(len(steps), dtype=bool)
+    pw = rt.profile_windows
+    for a, b in zip(pw.get("step_start", []), pw.get("step_end", [])):
+        in_window |= (steps >= a) & (steps <= b)
+    base = ok & ~in_window
+    if len(base):
+        base[0] = False  # the first step pays for lazy initialisation
+    if base.sum() < cfg.min_steps:
         return []
-    median = float(np.median(total[ok]))
+    median = float(np.median(total[base]))
     slow = np.flatnonzero(ok & (total > cfg.ratio * median) & (total - median >= cfg.min_excess_s))
     if not slow.size:
         return []
+    df = rt.steps
     # The time between steps splits into the DataLoader's part (when one was used) and the rest.
-    wait = np.nan_to_num(rt.steps["data_wait_s"].to_numpy(dtype=float), nan=0.0)
+    wait = np.nan_to_num(df["data_wait_s"].to_numpy(dtype=float), nan=0.0)
     parts = np.column_stack([wait, t[:, 0] - wait, t[:, 1:]])
     names = ["waiting for data", "other work between steps"] + [PHASE_NAMES[p] for p in PHASES[1:]]
-    med_parts = np.nanmedian(parts[ok], axis=0)
-    listed = []
-    for i in slow[np.argsort(-total[slow])][: cfg.max_listed]:
-        k = int(np.nanargmax(parts[i] - med_parts))
-        listed.append({"step": int(rt.step_index[i]), "step_s": float(total[i]),
-                       "slowest_phase": names[k], "phase_s": float(parts[i, k])})
+    med_parts = np.nanmedian(parts[base], axis=0)
+    census = df["live_tensors"].to_numpy() >= 0
+    snaps = rt.memory_snapshots
+    snap_steps = set(int(s) for s in snaps["step"]) if len(snaps) else set()
+    gc_s = df["gc_s"].to_numpy(dtype=float)
+    gc_gen2 = df["gc_gen2"].to_numpy()
+    jumps = {label: _jumps(df[c].to_numpy()) for c, label in (
+        ("rss_bytes", "resident memory"), ("cuda_reserved_bytes", "CUDA reserved memory"),
+        ("cuda_allocated_bytes", "CUDA allocated memory"))}
+
+    def describe(i: int) -> dict:
+        excess = float(total[i] - median)
+        grew = parts[i] - med_parts
+        k = int(np.nanargmax(grew))
+        d = {"step": int(steps[i]), "step_s": float(total[i]), "excess_s": excess,
+             "slowest_phase": names[k], "phase_s": float(parts[i, k]), "phase_median_s": float(med_parts[k]),
+             "phases_grown": {names[j]: {"s": float(parts[i, j]), "median_s": float(med_parts[j])}
+                              for j in np.argsort(-np.nan_to_num(grew, nan=-np.inf))
+                              if np.isfinite(grew[j]) and grew[j] >= 0.2 * excess}}
+        also = []
+        if i == 0:
+            also.append("the first step (lazy initialisation, warm-up)")
+        if in_window[i]:
+            also.append("a torch.profiler window")
+        if census[i]:
+            also.append("a tensor census")
+        if int(steps[i]) in snap_steps:
+            also.append("a CUDA allocator snapshot")
+        for label, j in jumps.items():
+            if j[i]:
+                also.append(f"{label} {'+' if j[i] > 0 else '-'}{abs(j[i]) / MIB:,.0f} MiB")
+        if np.isfinite(gc_s[i]) and (gc_s[i] >= 0.2 * excess or gc_gen2[i] > 0):
+            also.append(f"garbage collection {gc_s[i] * 1e3:,.0f} ms"
+                        + (f" ({int(gc_gen2[i])} full collection{'s' if gc_gen2[i] != 1 else ''})"
+                           if gc_gen2[i] > 0 else ""))
+        d["coincided_with"] = also
+        # Expected: the recorder's own probes (its time, a profiler window) or the first step.
+        d["expected"] = bool(i == 0 or in_window[i] or (np.isfinite(grew[4]) and grew[4] >= 0.5 * excess))
+        return d
+
+    described = [describe(int(i)) for i in slow[np.argsort(-total[slow])]]
+    listed = [d for d in described if not d["expected"]]
+    expected = [d for d in described if d["expected"]]
+    if not listed:
+        return []
+    top = listed[0]
+    also = f", together with {', '.join(top['coincided_with'])}" if top["coincided_with"] else ""
     causes = sorted({d["slowest_phase"] for d in listed})
-    summary = (f"{len(slow)} step(s) took over {cfg.ratio:g}x the median step ({median * 1e3:.1f} ms); the "
-               f"slowest, step {listed[0]['step']}, took {listed[0]['step_s'] * 1e3:.1f} ms, mostly "
-               f"{listed[0]['slowest_phase']}. Slow phases: {', '.join(causes)}.")
+    summary = (f"{len(listed)} step(s) took over {cfg.ratio:g}x the median step ({median * 1e3:.1f} ms); the "
+               f"slowest, step {top['step']}, took {top['step_s'] * 1e3:.1f} ms, mostly "
+               f"{top['slowest_phase']} ({top['phase_s'] * 1e3:.1f} ms against a median of "
+               f"{top['phase_median_s'] * 1e3:.1f} ms)"
+               f"{also}. Slow phases: {', '.join(causes)}.")
+    if expected:
+        summary += (f" {len(expected)} more slow step(s) are expected: the first step, profiler windows or "
+                    f"the recorder's own probes.")
     advice = ("Occasional slow steps in the data phase point at the input pipeline (a slow shard, "
-              "worker restarts, garbage collection); in the forward/backward at shape changes "
-              "(recompilation, cudnn benchmarking) or memory pressure; in the recorder at its "
-              "sparse probes (census, profiler windows).")
-    return [Finding(KIND, "info", listed[0]["step"], [], summary,
-                    {"median_step_s": median, "slow_steps": len(slow), "slowest": listed}, advice)]
+              "worker restarts); in the forward/backward at shape changes (recompilation, cudnn "
+              "benchmarking) or memory pressure (a jump in reserved memory: new cudaMalloc calls, "
+              "or the allocator freeing its cache and retrying); steps with a full garbage collection "
+              "at many live Python objects (gc.freeze() after start-up, fewer objects per step); "
+              "in the recorder at its sparse probes (census, snapshots, profiler windows).")
+    evidence = {"median_step_s": median, "slow_steps": len(listed),
+                "slowest": listed[: cfg.max_listed], "expected": expected[: cfg.max_listed],
+                "expected_slow_steps": len(expected)}
+    return [Finding(KIND, "info", top["step"], [], summary, evidence, advice)]

@@ -5,11 +5,11 @@ verdict chains these), ``figure_for(ctx, finding)`` draws the evidence. Kinds wi
 from __future__ import annotations
 
 from . import (attention_collapse, dataloader_bottleneck, dead_relu, exploding_gradients, generic,
-               loss_divergence, loss_plateau, memory_leak, nonfinite, slow_steps, update_ratio,
+               loss_divergence, loss_plateau, memory_leak, nonfinite, out_of_memory, slow_steps, update_ratio,
                vanishing_gradients)
 
 SECTIONS = {m.KIND: m for m in (nonfinite, exploding_gradients, vanishing_gradients, dead_relu,
-                                attention_collapse, memory_leak, loss_divergence, loss_plateau,
+                                attention_collapse, memory_leak, out_of_memory, loss_divergence, loss_plateau,
                                 update_ratio, dataloader_bottleneck, slow_steps)}
 
 

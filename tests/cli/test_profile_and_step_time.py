@@ -155,3 +155,48 @@ def test_a_memory_peak_gets_a_census_and_the_report_shows_what_held_it(tmp_path)
     assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
     text = html.read_text()
     assert "Memory at its peak" in text and "[8192, 4096]" in text
+
+
+class SleepsAt(nn.Module):
+    """An identity layer whose forward sleeps at one step (think: a slow custom kernel)."""
+
+    def __init__(self, at, seconds):
+        super().__init__()
+        self.at, self.seconds, self.calls = at, seconds, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at + 1:
+            time.sleep(self.seconds)
+        return x
+
+
+def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), SleepsAt(30, 0.3), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    live = [[i] for i in range(1_000_000)]  # a job with many live Python objects
+    with Recorder(model, tmp_path / "run", profile_first=5, profile_steps=2) as rec:
+        for step in range(50):
+            if step == 20:  # full collections between two steps, each walking every object
+                for _ in range(3):
+                    gc.collect()
+            loss = model(torch.randn(64, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    found, _ = findings(tmp_path / "run", tmp_path)
+    (f,) = [f for f in found if f["kind"] == "slow_steps"]
+    by_step = {d["step"]: d for d in f["evidence"]["slowest"]}
+    assert f["step"] in (20, 30) and by_step[30]["slowest_phase"] == "forward"
+    assert "forward" in by_step[30]["phases_grown"] and by_step[30]["phase_s"] >= 0.3
+    assert "mostly forward (" in f["summary"] or "mostly other work between steps (" in f["summary"]
+    gc_step = by_step[20]  # the collection ran in the loop code between steps 19 and 20
+    assert gc_step["slowest_phase"] == "other work between steps"
+    assert any(c.startswith("garbage collection") and "full collection" in c for c in gc_step["coincided_with"])
+    steps = load(tmp_path / "run").ranks[0].steps
+    assert steps["gc_gen2"].loc[20] >= 3 and steps["gc_s"].loc[20] > 0.05
+    del live

@@ -73,3 +73,151 @@ def test_copies_back_and_forth_are_flagged_on_cuda(tmp_path):
             rec.step(loss=loss)
     found = [f for f in analyze(load(tmp_path)) if f.kind == "host_device_copies"]
     assert found and found[0].evidence["share"] >= 0.2, [f.summary for f in found]
+
+
+# -- the CUDA allocator's snapshots, history and out-of-memory events ---------------------------
+
+def _train(model, rec, steps, dev, hook=None):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        if hook is not None:
+            hook(step)
+        loss = model(torch.randn(256, 64, device=dev)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rec.step(loss=loss)
+
+
+def test_snapshots_are_recorded_as_tables_and_export_to_the_memory_viewer(tmp_path):
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    from tests.helpers import run_cli
+    from torchautopsy.analyzer.memory_snapshot import live_sites, snapshot_dict
+
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1)).to(dev)
+    with Recorder(model, tmp_path, cuda_snapshot_first=2, cuda_snapshot_every=5, profile_steps=0) as rec:
+        assert rec.cuda_memory is not None and rec.cuda_memory.started_history
+        _train(model, rec, 12, dev)
+    after = torch.cuda.memory._snapshot()  # the recorder stopped the history it started
+    assert not any(after.get("device_traces") or [])
+    rt = load(tmp_path).ranks[0]
+    snaps = rt.memory_snapshots
+    assert {2, 7} <= set(int(s) for s in snaps["step"])
+    n = int(snaps[snaps["step"] == 7]["snapshot"].iloc[0])
+    assert len(rt.memory_snapshot_rows(n)["trace"]) > 0  # the history came with it
+    assert any("test_cuda.py" in g["site"] for g in live_sites(rt, n))  # where this test allocated
+    out = tmp_path / "s.pickle"
+    r = run_cli("export", tmp_path, "--memory-snapshot", out, "--which", str(n))
+    assert r.returncode == 0, r.stderr
+    with open(out, "rb") as f:
+        back = pickle.load(f)
+    assert back == snapshot_dict(rt, n)
+    assert "total_reserved" in _memory_viz.segsum(back) and _memory_viz.trace(back)
+    assert "<" in _memory_viz.trace_plot(back)
+
+
+def test_a_real_snapshot_round_trips_exactly(tmp_path):
+    import copy
+    import pickle
+
+    from tests.helpers import run_cli
+    from torchautopsy.recorder.cuda_memory import SnapshotConverter
+
+    dev = torch.device("cuda")
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        kept = [torch.randn(1024, 1024, device=dev) for _ in range(3)]
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    model = nn.Linear(4, 1)
+    with Recorder(model, tmp_path, profile_steps=0) as rec:
+        rec.writer.put(SnapshotConverter().rows(copy.deepcopy(snap), 0, 0, "schedule", 0.0, 0, 0, 0))
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+    out = tmp_path / "s.pickle"
+    assert run_cli("export", tmp_path, "--memory-snapshot", out).returncode == 0
+    with open(out, "rb") as f:
+        assert pickle.load(f) == snap
+    del kept
+
+
+def test_a_history_the_job_started_is_kept(tmp_path):
+    dev = torch.device("cuda")
+    torch.cuda.memory._record_memory_history(max_entries=5000)
+    try:
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+        with Recorder(model, tmp_path, profile_steps=0) as rec:
+            assert rec.cuda_memory.user_history and not rec.cuda_memory.started_history
+            _train(model, rec, 3, dev)
+        x = torch.ones(1000, device=dev)  # still recorded after the recorder closed
+        assert any(e.get("action") == "alloc" for e in torch.cuda.memory._snapshot()["device_traces"][dev.index or 0])
+        del x
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_running_out_of_cuda_memory_is_caught_and_analyzed(tmp_path):
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    from tests.helpers import run_cli
+    from torchautopsy.analyzer.run import analyze
+
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    hoard = []
+
+    def hog(step):
+        if step == 5:  # a cache that grows until the device is full
+            while True:
+                hoard.append(torch.empty(2**30, dtype=torch.uint8, device=dev))
+
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            with Recorder(model, tmp_path, profile_steps=0) as rec:
+                _train(model, rec, 10, dev, hook=hog)
+    finally:
+        n_hoarded = len(hoard)
+        hoard.clear()
+        torch.cuda.empty_cache()
+    rt = load(tmp_path).ranks[0]
+    events = rt.oom_events
+    assert set(events["source"]) == {"observer", "exception"} and (events["step"] == 5).all()
+    (f,) = [f for f in analyze(load(tmp_path)) if f.kind == "out_of_memory"]
+    ev = f.evidence
+    assert f.severity == "error" and f.step == 5 and ev["requested_bytes"] == 2**30
+    assert ev["device_allocated_bytes"] >= (n_hoarded - 1) * 2**30
+    assert "in hog" in ev["largest_sites"][0]["site"] and ev["largest_sites"][0]["blocks"] >= n_hoarded - 1
+    assert "in hog" in ev["failed_request"]["site"]
+    out = tmp_path / "oom.pickle"
+    r = run_cli("export", tmp_path, "--memory-snapshot", out, "--which", "oom")
+    assert r.returncode == 0, r.stderr
+    with open(out, "rb") as fh:
+        assert "OutOfMemoryError" in _memory_viz.trace(pickle.load(fh))
+
+
+def test_a_cuda_leak_names_the_allocation_site_that_grew(tmp_path):
+    from torchautopsy.analyzer.run import analyze
+
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
+    kept = []
+
+    def keep_outputs(step):  # a debugging list of 4 MiB device buffers, one per step, never cleared
+        kept.append(torch.zeros(2**20, device=dev))
+
+    with Recorder(model, tmp_path, cuda_snapshot_first=5, cuda_snapshot_every=30, profile_steps=0) as rec:
+        _train(model, rec, 100, dev, hook=keep_outputs)
+    (f,) = [f for f in analyze(load(tmp_path)) if f.kind == "memory_leak"]
+    assert f.evidence["series"] == "cuda_allocated_bytes"
+    site = f.evidence["growing_sites"][0]
+    assert "in keep_outputs" in site["site"] and site["bytes_after"] - site["bytes_before"] >= 60 * 2**22
+    assert "in keep_outputs" in f.summary
+    kept.clear()
+    torch.cuda.empty_cache()
