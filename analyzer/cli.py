@@ -283,6 +283,15 @@ def info(run_dir):
             spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
             click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
                        f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
+        try:
+            from .export import describe_stored
+
+            for what, _, detail in describe_stored(rt):
+                label = {"Parameter snapshots": "snapshots", "Sampled activations and gradients": "samples",
+                         "Black box": "black box"}.get(what, "histograms")
+                click.echo(f"  {label:12} {detail}")
+        except TraceError as e:
+            click.echo(f"  tensors      unreadable ({e})")
         if m.get("dropped_steps"):
             click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
         click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
@@ -297,26 +306,53 @@ def info(run_dir):
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Write a torch.profiler window as a Chrome trace (opens in Perfetto, chrome://tracing).")
 @click.option("--window", type=int, default=0, show_default=True, help="Which profiler window.")
+@click.option("--params", "params", nargs=2, type=(str, click.Path(dir_okay=False)), metavar="WHICH OUT.safetensors",
+              help="Write a parameter snapshot (keys as in model.state_dict()) as safetensors. WHICH: a step "
+                   "number (the parameters at the start of that step), 'last', or 'blackbox' (the parameters "
+                   "before the bad update).")
+@click.option("--tensors", "tensors", nargs=2, type=(str, click.Path(dir_okay=False)), metavar="WHICH OUT.safetensors",
+              help="Write sampled activations and gradients (WHICH: a step number or 'last') or the black box's "
+                   "inputs, gradients, optimizer state and RNG states ('blackbox') as safetensors.")
 @click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
-def export(run_dir, profile_path, window, rank):
+def export(run_dir, profile_path, window, params, tensors, rank):
     """Export data recorded in RUN_DIR in the formats other tools read."""
-    if not profile_path:
-        raise click.UsageError("nothing to export: give --profile OUT.json")
+    if not (profile_path or params or tensors):
+        raise click.UsageError("nothing to export: give --profile OUT.json, --params WHICH OUT.safetensors "
+                               "or --tensors WHICH OUT.safetensors")
+    from .export import ExportError, parse_which, safetensors_bytes, select_params, select_tensors
+
+    asked = [(select_params, "parameters", params), (select_tensors, "tensors", tensors)]
+    try:
+        asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
+    except ExportError as e:
+        raise InputError(str(e)) from None
+    _check_writable(profile_path, *(out for *_, out in asked))
     trace = _load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
     if rank not in trace.ranks:
         raise InputError(f"{run_dir} has no rank {rank} (ranks: {', '.join(map(str, trace.ranks))})")
+    rt = trace.ranks[rank]
+    for select, what, which, out in asked:
+        try:
+            sel = select(rt, which)
+        except (ExportError, TraceError) as e:
+            raise InputError(str(e)) from None
+        if not sel.tensors:
+            raise InputError(f"{rt.path}: {sel.description} holds no tensor that safetensors can store")
+        data = safetensors_bytes(sel)
+        _write(out, data)
+        skipped = f"; skipped (no safetensors dtype): {', '.join(sel.skipped[:5])}" if sel.skipped else ""
+        click.echo(f"wrote {out}: {sel.description}, rank {rank} ({len(sel.tensors)} tensors, "
+                   f"{_human_bytes(len(data))}){skipped}")
+    if not profile_path:
+        return
     try:
-        data = trace.ranks[rank].profile_trace(window)
+        data = rt.profile_trace(window)
     except TraceError as e:
         raise InputError(str(e)) from None
-    try:
-        with open(profile_path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise InputError(f"cannot write {profile_path}: {e.strerror or e}") from None
-    w = trace.ranks[rank].profile_windows
+    _write(profile_path, data)
+    w = rt.profile_windows
     row = w[w["window"] == window].iloc[0]
     click.echo(f"wrote {profile_path}: profiler window {window} of rank {rank}, steps "
                f"{int(row['step_start'])}-{int(row['step_end'])} ({len(data) / 2**20:.1f} MiB)")

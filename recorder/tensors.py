@@ -244,6 +244,13 @@ class BlackBox:
         self.armed = True
         self.inputs: list[tuple[tuple, dict]] = []
         self.rng: dict | None = None
+        # Buffers change in the forward (BatchNorm running statistics): their values at the step's
+        # first forward are copied into these, preallocated on their device (a few KB for most
+        # models: one foreach copy per step, no allocation).
+        self._buffers: list[tuple[str, torch.Tensor]] = []
+        self._buffer_copies: list[torch.Tensor] = []
+        self._buffers_at_start = False
+        self._buffer_slots: list | None = None
         self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
     def remove(self) -> None:
@@ -255,13 +262,33 @@ class BlackBox:
             return None
         if not self.inputs:
             self.rng = _rng_states(self.model)
+            self._copy_buffers()
         if len(self.inputs) < self.MAX_CALLS:
             self.inputs.append((args, kwargs))
         return None
 
+    def _copy_buffers(self) -> None:
+        if self._buffer_slots is None:  # (module, name) of each persistent buffer, found once
+            self._buffer_slots = []
+            for prefix, m in self.model.named_modules(remove_duplicate=False):
+                skip = getattr(m, "_non_persistent_buffers_set", set())
+                self._buffer_slots += [(m, n) for n, b in m._buffers.items() if b is not None and n not in skip]
+        bufs = [(n, m._buffers.get(n)) for m, n in self._buffer_slots]
+        bufs = [(n, t) for n, t in bufs if t is not None and not (t.is_sparse or t.is_quantized or t.is_complex())]
+        if [id(t) for _, t in bufs] != [id(t) for _, t in self._buffers] or any(
+                c.shape != t.shape or c.dtype != t.dtype or c.device != t.device
+                for c, (_, t) in zip(self._buffer_copies, bufs)):
+            self._buffers = bufs  # first step, or buffers replaced / moved: allocate once more
+            self._buffer_copies = [torch.empty_like(t) for _, t in bufs]
+        if bufs:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffer_copies, [t.detach() for _, t in bufs])
+        self._buffers_at_start = True
+
     def new_step(self) -> None:
         self.inputs = []
         self.rng = None
+        self._buffers_at_start = False
 
     def capture(self, step: int, trigger: str, params_at: str, optimizer=None, bad: list[str] = (),
                 param_names: dict | None = None, extra: dict | None = None):
@@ -269,9 +296,12 @@ class BlackBox:
         self.armed = False
         items: list[tuple[str, str, torch.Tensor]] = []
         seen: dict[int, torch.Tensor] = {}
+        # Before the bad update the buffers are taken as they were at the step's first forward.
+        start = dict(zip((id(t) for _, t in self._buffers), self._buffer_copies)) \
+            if params_at == "start_of_step" and self._buffers_at_start else {}
         for key, t, role in state_tensors(self.model):
             c = seen.get(id(t))
-            c = host_copy(t) if c is None else c
+            c = host_copy(start.get(id(t), t)) if c is None else c
             if c is not None:
                 seen[id(t)] = c
                 items.append((key, role, c))
