@@ -97,6 +97,13 @@ def test_sigkill_leaves_flushed_steps_readable(tmp_path):
         gn = f["params/grad_norm"]
         assert n - 1 <= gn.shape[0] <= n + 1  # tables are flushed together (a row may straddle)
         assert np.isfinite(gn[: min(n, gn.shape[0])]).all()
+    # the snapshot of step 0 (written when the Recorder was created) reads back, crc verified
+    from torchautopsy import load
+    from torchautopsy.analyzer.export import select_params
+
+    rt = load(path).ranks[0]
+    assert list(rt.snapshots["step"][:1]) == [0]
+    assert set(select_params(rt, 0).tensors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(tmp_path):
@@ -119,6 +126,13 @@ def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(tmp_path):
         # the step's other rows out; never more than that one)
         for table in ("params/grad_norm", "params/param_norm", "modules/output_absmax"):
             assert n - 1 <= f[table].shape[0] <= n, table
+        # pre-emption fires the black box: the state and inputs of the step it interrupted
+        assert [t.decode() for t in f["blackbox/trigger"][:]] == ["sigterm"]
+        assert f["blackbox/params_at"][0].decode() == "at_exit"
+        # (inputs and RNG states only if the signal landed inside a step, after its first
+        # forward: rec.step() lets go of the step's inputs)
+        bb = [r.decode() for r, src in zip(f["tensors/role"][:], f["tensors/source"][:]) if src == b"blackbox"]
+        assert bb.count("param") == 4
 
 
 CHILD_EXIT = textwrap.dedent("""
