@@ -61,10 +61,10 @@ class RecorderConfig:
     # "bfloat16" halve a float32 model's snapshots (integer buffers stay exact).
     snapshot_dtype: str = "exact"
     # Fixed-bin histograms (NaN, -Inf, signed half-octave magnitudes from 2**-40 to 2**8, zero,
-    # +Inf: 196 bins, the same at every step) of weights, gradients and leaf-module outputs. Every
-    # 100 steps: one extra pass over each tensor (log2, bincount) on those steps, ~1% of a pass
-    # per step, and 196 x 4 bytes per tensor per sample (a 100-layer model: ~2.4 KB per step).
-    # 0 turns them off.
+    # +Inf: 196 bins, the same at every step; recorder/histograms.py) of weights, gradients and
+    # leaf-module outputs. Every 100 steps: a shift and a bincount over each tensor on those steps
+    # (~4 ns per element on one CPU core, measured), 0.04 ns per element per step on average, and
+    # 196 x 4 bytes per tensor per sample (a model of 100 layers: ~2.4 KB per step). 0: off.
     histogram_every: int = 100
     # Tensors histogrammed per kind (weights/gradients, module outputs) at most, spread evenly
     # over the model's depth when it has more: bounds the bytes of a very deep model.

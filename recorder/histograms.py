@@ -3,9 +3,13 @@
 The bins are the same for every tensor and every step, so histograms compare across steps and
 layers: NaN, -Inf, then negative magnitudes from the largest to the smallest, one bin for zero
 and magnitudes below 2**LO_EXP, positive magnitudes from the smallest to the largest, +Inf.
-Magnitude bins are half octaves, [2**(LO_EXP + k/2), 2**(LO_EXP + (k+1)/2)), from 2**-40
+Magnitude bins are half octaves, [2**e, 1.5 * 2**e) and [1.5 * 2**e, 2**(e+1)), from 2**-40
 (below any gradient worth telling from zero in float32 training) to 2**8; finite magnitudes
 above the range are counted in the outermost bin of their sign. NaN and +-Inf are never dropped.
+
+The bin of a float32 is read from its top 10 bits (sign, exponent, first mantissa bit): one
+shift and one bincount over the tensor, then a 1,024-entry table maps codes to bins. That is
+~4 ns per element on one CPU core, against ~90 for log2/floor/where (measured, 2M elements).
 """
 
 from __future__ import annotations
@@ -21,6 +25,25 @@ NAN_BIN, NEG_INF_BIN = 0, 1
 ZERO_BIN = 2 + N_MAG  # 98
 POS_INF_BIN = ZERO_BIN + N_MAG + 1  # 195
 N_BINS = POS_INF_BIN + 1  # 196
+_F32_MAX = float(np.finfo(np.float32).max)
+_POS_INF_BITS, _NEG_INF_BITS = 0x7F800000, -0x800000  # float32 +Inf and -Inf as int32
+
+
+def _code_table() -> np.ndarray:
+    """Bin of each 10-bit code (sign, 8 exponent bits, first mantissa bit) of a float32."""
+    code = np.arange(1024)
+    neg, j = code >> 9, code & 0x1FF  # j: 2 * biased exponent + first mantissa bit
+    k = j - 2 * (127 + LO_EXP)
+    mag = np.clip(k, 0, N_MAG - 1)
+    out = np.where(neg == 0, ZERO_BIN + 1 + mag, ZERO_BIN - 1 - mag)
+    out = np.where(k < 0, ZERO_BIN, out)  # zero, subnormals, below 2**LO_EXP
+    out = np.where(j == 511, NAN_BIN, out)  # exponent 255, first mantissa bit 1: quiet NaN
+    out = np.where(j == 510, np.where(neg == 0, POS_INF_BIN, NEG_INF_BIN), out)  # Inf (or a rare NaN)
+    return out.astype(np.int64)
+
+
+_CODE_TABLE = _code_table()
+_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def bin_edges() -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +51,8 @@ def bin_edges() -> tuple[np.ndarray, np.ndarray]:
     spans (-2**LO_EXP, 2**LO_EXP); outermost magnitude bins reach to -+ float max."""
     lo = np.full(N_BINS, np.nan)
     hi = np.full(N_BINS, np.nan)
-    mags = 2.0 ** (LO_EXP + np.arange(N_MAG + 1) / PER_OCTAVE)
+    k = np.arange(N_MAG + 1)
+    mags = 2.0 ** (LO_EXP + k // 2) * np.where(k % 2 == 1, 1.5, 1.0)
     big = float(np.finfo(np.float64).max)
     lo[NEG_INF_BIN], hi[NEG_INF_BIN] = -np.inf, -np.inf
     for k in range(N_MAG):  # positive bin ZERO_BIN+1+k holds [mags[k], mags[k+1])
@@ -44,19 +68,27 @@ def bin_edges() -> tuple[np.ndarray, np.ndarray]:
 def histogram(x: torch.Tensor) -> torch.Tensor:
     """Counts of x's elements per bin (int64, N_BINS), on x's device; reads x, never writes it.
 
-    Costs a few elementwise passes over x (log2, floor, where) and one bincount; float16 and
-    bfloat16 are widened to float32 first (their log2 in half precision would move edges)."""
+    float16 and bfloat16 are widened to float32 (exactly); float64 is narrowed, finite values
+    saturating at float32's max so that only a real Inf lands in an Inf bin."""
     x = x.detach().reshape(-1)
-    if x.dtype not in (torch.float32, torch.float64):
+    if x.dtype == torch.float64:
+        x = torch.where(torch.isfinite(x), x.clamp(-_F32_MAX, _F32_MAX), x)
+    if x.dtype != torch.float32:
         x = x.float()
-    a = x.abs()
-    k = torch.floor((torch.log2(a) - LO_EXP) * PER_OCTAVE).clamp_(0, N_MAG - 1)
-    k = torch.nan_to_num(k, nan=0.0).long()  # NaN, +-Inf and 0 are binned below
-    idx = torch.where(x > 0, ZERO_BIN + 1 + k, ZERO_BIN - 1 - k)
-    idx = torch.where(a < 2.0 ** LO_EXP, ZERO_BIN, idx)
-    idx = torch.where(torch.isnan(x), NAN_BIN, idx)
-    idx = torch.where(torch.isinf(x), torch.where(x > 0, POS_INF_BIN, NEG_INF_BIN), idx)
-    return torch.bincount(idx, minlength=N_BINS)
+    bits = x.contiguous().view(torch.int32)
+    counts = torch.bincount((bits >> 22) & 0x3FF, minlength=1024)
+    table = _TABLES.get(x.device)
+    if table is None:
+        table = _TABLES[x.device] = torch.from_numpy(_CODE_TABLE).to(x.device)
+    hist = torch.zeros(N_BINS, dtype=torch.long, device=x.device).index_add_(0, table, counts)
+    # Codes 510 / 1022 hold +Inf / -Inf and NaNs whose first mantissa bit is 0 (signalling NaNs,
+    # which arithmetic never makes): count the infinities exactly, the rest are NaN.
+    pos_inf = torch.count_nonzero(bits == _POS_INF_BITS)
+    neg_inf = torch.count_nonzero(bits == _NEG_INF_BITS)
+    hist[NAN_BIN] += counts[510] - pos_inf + counts[1022] - neg_inf
+    hist[POS_INF_BIN] = pos_inf
+    hist[NEG_INF_BIN] = neg_inf
+    return hist
 
 
 def spread(n: int, limit: int) -> list[int]:
