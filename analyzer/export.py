@@ -168,6 +168,8 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
                     + ("" if dtype == "exact" else f", floats as {dtype}")
                     + f"; every {cfg.get('snapshot_every', '?')} steps, oldest dropped past the budget) "
                       "— torchautopsy export RUN_DIR --params STEP|last OUT.safetensors"))
+    elif rt.meta.get("snapshot_note"):
+        out.append(("Parameter snapshots", False, f"none: {rt.meta['snapshot_note']}"))
     else:
         out.append(("Parameter snapshots", False, "none (snapshot_every=0, an older recorder, or a model "
                     "larger than snapshot_budget_bytes)" if "snapshot_every" in cfg or not cfg

@@ -111,6 +111,7 @@ class Recorder:
         self._norm_cache: dict[int, tuple] = {}  # param index -> (id(grad), grad version, norm)
         self._last_snapshot = -1
         self._loss_given = False
+        self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -246,6 +247,7 @@ class Recorder:
                         grads.append((i, p.grad.detach()))
             if not grads:
                 return None  # not an optimizer of the watched model
+            self._saw_optimizer = True
             with torch.no_grad():
                 norms = torch._foreach_norm([g for _, g in grads])
                 for (i, g), n in zip(grads, norms):
@@ -478,7 +480,10 @@ class Recorder:
         bb = self.blackbox
         if bb is not None and bb.armed:
             trigger = ("loss_nonfinite" if self._loss_given and not np.isfinite(loss_value) else
-                       "grad_nonfinite" if (grad_bad > 0).any() else
+                       # Once an optimizer step of this model was seen, its pre-hook judges the
+                       # gradients: NaN/Inf gradients it never saw were not applied (AMP's
+                       # GradScaler skips such steps), and are no reason to fire.
+                       "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
                        "activation_nonfinite" if mods["origin"] >= 0 or mods["batch_nonfinite"] else None)
             if trigger is not None:
                 self._fire(bb.capture(step, trigger, "end_of_step", extra={
@@ -617,6 +622,7 @@ class Recorder:
                 self.writer.close({
                     "closed": True, "end_reason": reason, "end_unix": time.time(),
                     "n_steps_recorded": self._step,
+                    **({"snapshot_note": self.snapshots.skipped} if self.snapshots and self.snapshots.skipped else {}),
                 })
             self._prev_weights = None
             if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():

@@ -115,20 +115,22 @@ class Snapshots:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0 and not self.skipped
 
+    def _nbytes(self, tensors) -> int:
+        """The bytes a snapshot of these tensors takes, before copying anything."""
+        total, seen = 0, set()
+        for t in tensors:
+            if id(t) in seen or t.is_sparse or t.is_quantized or t.is_complex():
+                continue
+            seen.add(id(t))
+            size = self.half.itemsize if self.half is not None and t.is_floating_point() else t.element_size()
+            total += t.numel() * size
+        return total
+
     def take(self, step: int):
         """Copy the state now (the parameters at the start of ``step``); return the writer task,
-        or None when the budget cannot hold it."""
-        items = []
-        seen: dict[int, torch.Tensor] = {}
-        for key, t, role in state_tensors(self.model):
-            c = seen.get(id(t))
-            if c is None:
-                c = host_copy(t, self.half)
-                if c is None:
-                    continue
-                seen[id(t)] = c
-            items.append((key, role, c))
-        nbytes = sum(c.numel() * c.element_size() for c in {id(c): c for _, _, c in items}.values())
+        or None when the budget cannot hold it (then nothing is copied)."""
+        state = state_tensors(self.model)
+        nbytes = self._nbytes(t for _, t, _ in state)
         if self.count == 0:
             self.slot_bytes = max(nbytes, 1)
             self.n_slots = self.budget // self.slot_bytes
@@ -141,6 +143,16 @@ class Snapshots:
             return None
         if self.count > 0 and self.n_slots < 2:
             return None  # room for the first snapshot only
+        items = []
+        seen: dict[int, torch.Tensor] = {}
+        for key, t, role in state:
+            c = seen.get(id(t))
+            if c is None:
+                c = host_copy(t, self.half)
+                if c is None:
+                    continue
+                seen[id(t)] = c
+            items.append((key, role, c))
         slot = 0 if self.count == 0 else 1 + (self.count - 1) % (self.n_slots - 1)
         self.count += 1
         base = slot * self.slot_bytes

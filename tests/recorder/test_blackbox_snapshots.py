@@ -316,3 +316,28 @@ def test_optimizer_hook_removed_and_others_ignored(tmp_path):
         other_opt.step()  # NaN gradients, but not the watched model's
         assert rec.blackbox.armed
     assert len(_global_optimizer_pre_hooks) == before
+
+
+def test_skipped_optimizer_step_does_not_fire_and_budget_too_small(tmp_path):
+    """Inf gradients whose optimizer step is skipped (what AMP's GradScaler does on overflow) are
+    never applied: the black box stays armed. A model larger than the budget gets no snapshot."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, tmp_path / "run", snapshot_budget_bytes=100) as rec:
+        for step in range(6):
+            x, y = _batch(step if step != BAD_STEP else 0)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if step == 3:
+                model.fc1.weight.grad[0, 0] = float("inf")  # an overflowed (scaled) gradient
+            else:
+                opt.step()
+            rec.step(loss=loss)
+        assert rec.blackbox.armed
+    rt = load(tmp_path / "run").ranks[0]
+    assert len(rt.blackbox) == 0 and len(rt.snapshots) == 0
+    assert int(rt.param_stat("grad_nonfinite")["fc1.weight"].iloc[3]) == 1  # still recorded
+    r = run_cli("info", tmp_path / "run")
+    assert "armed, never fired" in r.stdout and "exceeds snapshot_budget_bytes (100)" in r.stdout
