@@ -131,6 +131,8 @@ class Snapshots:
         or None when the budget cannot hold it (then nothing is copied)."""
         state = state_tensors(self.model)
         nbytes = self._nbytes(t for _, t, _ in state)
+        if nbytes == 0:
+            return None  # a model without parameters or buffers: nothing to keep
         if self.count == 0:
             self.slot_bytes = max(nbytes, 1)
             self.n_slots = self.budget // self.slot_bytes

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.run import analyze
-from torchautopsy.reports import build_report, render_html, render_markdown
+from torchautopsy.reports import build_report, render_html, render_markdown, render_pdf
 
 
 class Exp(nn.Module):
@@ -54,6 +54,8 @@ def test_histograms_and_weights_before_after_in_the_report(nan_trace):
     assert "<b>exp</b>" not in html and "&lt;b&gt;exp&lt;/b&gt;" in html
     assert "fired at step 12 (grad_nonfinite)" in html
     assert "kept at steps 0, 5, 10, 15, 20, 25, 30" in html
+    pdf = render_pdf(report)
+    assert pdf.startswith(b"%PDF") and len(pdf) < 5 * 2**20
     md = render_markdown(nan_trace, findings)
     assert len(md.splitlines()) <= 40
     assert "**Black box:** rank 0, step 12" in md and "--params blackbox" in md
