@@ -246,8 +246,8 @@ class BlackBox:
     """Holds, at no copy, what a step's failure needs; copies it out only when a step breaks.
 
     Every step: references to the model's own forward inputs (the tensors the training holds
-    anyway; up to MAX_CALLS root forwards per step), and the RNG states at the step's first
-    forward (torch CPU, CUDA of the model's device, numpy, Python: ~10 us). Nothing is copied
+    anyway; up to MAX_CALLS root forwards per step), and torch's RNG states at the step's first
+    forward (CPU, and CUDA of the model's device: ~1 us), and the buffers then (a foreach copy). Nothing is copied
     until a trigger; then the state, inputs, optimizer state of the affected parameters, their
     gradients and the RNG states are copied to the host once and written."""
 
@@ -265,6 +265,8 @@ class BlackBox:
         self._buffer_copies: list[torch.Tensor] = []
         self._buffers_at_start = False
         self._buffer_slots: list | None = None
+        # model.to(device) keeps the Parameter objects: the first one tells the model's device
+        self._first_param = next(iter(model.parameters()), None)
         self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
     def remove(self) -> None:
@@ -275,7 +277,7 @@ class BlackBox:
         if not self.armed or not torch.is_grad_enabled():
             return None
         if not self.inputs:
-            self.rng = _rng_states(self.model)
+            self.rng = _rng_states(self._first_param)
             self._copy_buffers()
         if len(self.inputs) < self.MAX_CALLS:
             self.inputs.append((args, kwargs))
@@ -329,7 +331,9 @@ class BlackBox:
                 c = host_copy(t)
                 if c is not None:
                     items.append((name, "input", c))
-        for name, t in (self.rng or {}).items():
+        rng = dict(self.rng or {})
+        rng["numpy"], rng["python"] = np.random.get_state(), random.getstate()  # as they are now
+        for name, t in rng_tensors(rng).items():
             items.append((f"rng.{name}", "rng", t))
         opt_info = {}
         if optimizer is not None and param_names:
@@ -366,18 +370,24 @@ def _groups(optimizer, param_names: dict) -> list[dict]:
     return out
 
 
-def _rng_states(model: nn.Module) -> dict[str, torch.Tensor]:
+def _rng_states(first_param: torch.Tensor | None) -> dict:
+    """torch's (and CUDA's, for a model on a GPU) RNG states as they are now: ~1 us, the small
+    byte tensors torch returns. (numpy's and Python's take 40-60 us to read: they are read only
+    when the black box fires.)"""
     out = {"torch": torch.get_rng_state()}
-    try:
-        dev = next(model.parameters()).device
-    except StopIteration:
-        dev = torch.device("cpu")
-    if dev.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(dev)
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    out["numpy.keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).copy())
-    out["numpy.pos_has_gauss_gauss"] = torch.tensor([float(pos), float(has_gauss), float(gauss)],
-                                                    dtype=torch.float64)
-    version, state, gauss_next = random.getstate()
-    out["python"] = torch.tensor(list(state), dtype=torch.int64)
+    if first_param is not None and first_param.device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(first_param.device)
+    return out
+
+
+def rng_tensors(states: dict) -> dict[str, torch.Tensor]:
+    out = {k: states[k] for k in ("torch", "cuda") if k in states}
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        out["numpy.keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).copy())
+        out["numpy.pos_has_gauss_gauss"] = torch.tensor([float(pos), float(has_gauss), float(gauss)],
+                                                        dtype=torch.float64)
+    if "python" in states:
+        version, state, gauss_next = states["python"]
+        out["python"] = torch.tensor(list(state), dtype=torch.int64)
     return out
