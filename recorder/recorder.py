@@ -468,9 +468,9 @@ class Recorder:
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
-        self._after_step(step, loss_value, grad_norm, grad_bad, mods)
+        self._after_step(step, loss_value, grad_bad, mods)
 
-    def _after_step(self, step: int, loss_value: float, grad_norm, grad_bad, mods) -> None:
+    def _after_step(self, step: int, loss_value: float, grad_bad, mods) -> None:
         """Sampled tensors, the next snapshot, and the black box if this step broke without an
         optimizer step seeing it (NaN loss or output with finite gradients, a manual update)."""
         if self.samples is not None:
@@ -484,7 +484,8 @@ class Recorder:
                        # gradients: NaN/Inf gradients it never saw were not applied (AMP's
                        # GradScaler skips such steps), and are no reason to fire.
                        "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
-                       "activation_nonfinite" if mods["origin"] >= 0 or mods["batch_nonfinite"] else None)
+                       "activation_nonfinite" if mods["origin"] >= 0 else
+                       "input_nonfinite" if mods["batch_nonfinite"] else None)
             if trigger is not None:
                 self._fire(bb.capture(step, trigger, "end_of_step", extra={
                     "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
