@@ -252,13 +252,14 @@ class Recorder:
                 norms = torch._foreach_norm([g for _, g in grads])
                 for (i, g), n in zip(grads, norms):
                     self._norm_cache[i] = (id(self._params[i].grad), self._params[i].grad._version, n)
-                flags = Packer()
-                flags.add("finite", [torch.isfinite(n) for n in norms])
-                finite = flags.fetch()["finite"]  # one host sync per optimizer step
-                if finite.all():
+                # The sum of the norms is finite iff every norm is: one scalar, one host sync.
+                total = Packer()
+                total.add("sum", torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).sum())
+                if np.isfinite(total.fetch()["sum"]).all():
                     return None
-                # A finite gradient whose float32 norm overflowed is not a failure (rare: checked).
-                bad = [i for (i, g), ok in zip(grads, finite) if not ok and not bool(torch.isfinite(g).all())]
+                # Rare from here on. A finite gradient whose float32 norm overflowed (or norms whose
+                # sum did) is not a failure: each gradient is checked.
+                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
             if bad:
                 names = [self._param_names[i] for i in bad]
                 self._fire(self.blackbox.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,

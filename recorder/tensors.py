@@ -280,7 +280,10 @@ class BlackBox:
             self.rng = _rng_states(self._first_param)
             self._copy_buffers()
         if len(self.inputs) < self.MAX_CALLS:
-            self.inputs.append((args, kwargs))
+            # Detached (shallowly): an input that carries an autograd graph (a GAN's generated
+            # batch) must not keep that graph alive through us.
+            self.inputs.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
         return None
 
     def _copy_buffers(self) -> None:
