@@ -408,10 +408,11 @@ class RankTrace:
             return np.zeros(0), np.zeros(0)
         return self._read("histogram_bins/lower"), self._read("histogram_bins/upper")
 
-    def histograms(self, kind: str) -> tuple[np.ndarray, list[str], np.ndarray]:
+    def histograms(self, kind: str, rows=None) -> tuple[np.ndarray, list[str], np.ndarray]:
         """(steps, names, counts[steps, names, bins]) of the sampled histograms of kind weight,
         grad (names: parameters) or activation (names: modules). Counts of -1: not recorded
-        (no gradient, module not called). Empty in traces without histograms."""
+        (no gradient, module not called). ``rows``: the row numbers to read (sorted), to bound
+        memory on a long run (all rows by default). Empty in traces without histograms."""
         if kind not in HIST_KINDS:
             raise ValueError(f"unknown histogram kind {kind!r}; one of {HIST_KINDS}")
         lower, _ = self.histogram_bins
@@ -421,9 +422,23 @@ class RankTrace:
                         else ("histogram_params/param", self.param_names))
         idx = self._read(table)
         names = [index[i] if 0 <= i < len(index) else f"#{i}" for i in idx]
-        t = self._table("histograms", ("step", kind))
-        counts = np.asarray(t[kind]).reshape(len(t["step"]), len(names), lower.size)
-        return np.asarray(t["step"], dtype=np.int64), names, counts
+        steps = self.histogram_steps
+        rows = np.arange(len(steps)) if rows is None else np.unique(np.asarray(rows, dtype=np.int64))
+        rows = rows[(rows >= 0) & (rows < len(steps))]
+        try:
+            with _open(self.path) as f:
+                data = f[f"histograms/{kind}"][rows.tolist()] if rows.size else np.zeros((0, len(names) * lower.size))
+        except (KeyError, OSError, ValueError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read histograms/{kind} ({e})") from None
+        counts = np.asarray(data).reshape(len(rows), len(names), lower.size)
+        return steps[rows], names, counts
+
+    @cached_property
+    def histogram_steps(self) -> np.ndarray:
+        """The steps of the histogram rows every histogram dataset holds (empty without them)."""
+        if not self._has("histograms/step"):
+            return np.zeros(0, np.int64)
+        return np.asarray(self._sampled_steps("histograms", HIST_KINDS), dtype=np.int64)
 
     @cached_property
     def total_grad_norm(self) -> pd.Series:

@@ -19,7 +19,8 @@ from .model import Figure
 
 # Layer groups (early, middle, late layers): one picture each.
 MAX_GROUPS = 3
-# Step columns of a histogram picture at most (steps are summed into buckets beyond that).
+# Histogram rows (sampled steps) a picture reads at most, evenly spread over the run, plus the
+# rows at the findings' steps.
 HIST_COLS = 200
 _KIND_TITLES = {"weight": "weights", "grad": "gradients", "activation": "activations"}
 
@@ -28,7 +29,14 @@ def figures(ctx: Context) -> list[Figure]:
     rt = ctx.focus
     out: list[Figure] = []
     try:
-        data = {k: rt.histograms(k) for k in HIST_KINDS}
+        steps = rt.histogram_steps
+        # At most HIST_COLS rows, evenly spread, and the rows nearest each finding's step: memory
+        # bounded by the number of layers, whatever the length of the run.
+        rows = set(np.linspace(0, len(steps) - 1, min(len(steps), HIST_COLS)).astype(int).tolist())
+        for step, _, _ in ctx.marks(rank=rt.rank):
+            if len(steps):
+                rows.add(int(np.clip(np.searchsorted(steps, step), 0, len(steps) - 1)))
+        data = {k: rt.histograms(k, rows=sorted(rows)) for k in HIST_KINDS}
         lower, upper = rt.histogram_bins
     except TraceError:
         return []
@@ -54,10 +62,11 @@ def figures(ctx: Context) -> list[Figure]:
         more = len(dict.fromkeys(names)) - 6
         title = ctx.title_rank(f"Value distributions over steps: {labels[g]} layers", rt.rank)
         caption = (f"Histograms of the {labels[g]} layers' weights, gradients and outputs ({shown}"
-                   f"{f' and {more} more' if more > 0 else ''}), summed over the layers, at each sampled step: "
+                   f"{f' and {more} more' if more > 0 else ''}), summed over the layers, at each sampled step "
+                   f"(at most {HIST_COLS} of them, evenly spread, and those at the findings): "
                    "share of elements per bin, log colour scale. Rows: fixed bins of signed magnitude (half "
-                   "octaves, the same at every step), with NaN, +Inf and -Inf in rows of their own at the "
-                   "edges; a red row means non-finite values. Dotted lines mark the findings.")
+                   "octaves, the same at every step), with +Inf in a row of its own at the top, -Inf and NaN in "
+                   "the two at the bottom; red cells there mean non-finite values. Dotted lines mark the findings.")
         out.append(figure(title, caption, plot_histograms, panels, lower, upper, marks=ctx.marks(rank=rt.rank),
                           height_in=3.2))
     return out
@@ -111,16 +120,20 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         for r, b in enumerate(rows):
             if b in (0, 1, lower.size - 1):
                 bad[r] = np.isfinite(values[r])
-        x_edges = np.append(steps[edges[:-1]], steps[-1] + 1)
-        extent = (float(x_edges[0]), float(x_edges[-1]), len(rows) - 0.5, -0.5)
+        # Columns from each read row's step to the next one's (rows need not be evenly spaced).
+        x_edges = np.append(steps[edges[:-1]], steps[-1] + 1).astype(np.float64)
+        y_edges = np.arange(len(rows) + 1) - 0.5
+        extent = (float(x_edges[0]), float(x_edges[-1]))
         cmap = plots.matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ax_.imshow(np.ma.masked_invalid(np.where(bad, np.nan, values)), aspect="auto", interpolation="nearest",
-                       cmap=cmap, extent=extent, vmin=-6, vmax=0)
+            ax_.set_facecolor("#eceff1")
+            ax_.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(bad, np.nan, values)), cmap=cmap,
+                           vmin=-6, vmax=0, shading="flat")
             if bad.any():
-                ax_.imshow(np.ma.masked_where(~bad, np.ones_like(values)), aspect="auto", interpolation="nearest",
-                           cmap=plots.ListedColormap([plots.NONFINITE_COLOR]), extent=extent, vmin=0, vmax=1)
+                ax_.pcolormesh(x_edges, y_edges, np.ma.masked_where(~bad, np.ones_like(values)),
+                               cmap=plots.ListedColormap([plots.NONFINITE_COLOR]), vmin=0, vmax=1, shading="flat")
+        ax_.set_ylim(len(rows) - 0.5, -0.5)
         ax_.grid(False)
         ax_.set_title(title)
         ax_.set_xlabel("step")
@@ -131,8 +144,12 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
     fixed = [r for r, b in enumerate(rows) if b in (0, 1, lower.size - 1) or lower[b] < 0 < upper[b]]
     step = max(4, len(rows) // 10)
     ticks = sorted(set(fixed) | {r for r in range(0, len(rows), step) if min(abs(r - t) for t in fixed) > step // 2})
+    labels = [_bin_label(lower[rows[r]], upper[rows[r]], rows[r]) for r in ticks]
+    # The two bottom rows (-Inf, NaN) are too close for two labels: one label between them.
+    if len(ticks) >= 2 and labels[-2:] == ["-Inf", "NaN"]:
+        ticks, labels = ticks[:-2] + [ticks[-1] - 0.5], labels[:-2] + ["-Inf, NaN"]
     axes[0].set_yticks(ticks)
-    axes[0].set_yticklabels([_bin_label(lower[rows[r]], upper[rows[r]], rows[r]) for r in ticks], fontsize=6)
+    axes[0].set_yticklabels(labels, fontsize=6)
 
 
 # -- one layer's weights before and after the first finding ---------------------------------------
