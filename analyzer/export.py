@@ -184,7 +184,7 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
                     "— torchautopsy export RUN_DIR --tensors STEP|last OUT.safetensors"))
     else:
         out.append(("Sampled activations and gradients", False, "none (sample_every=0, or not recorded)"))
-    steps, _, _ = rt.histograms("weight")
+    steps = rt.histogram_steps
     out.append(("Histograms of weights, gradients, activations", len(steps) > 0,
                 f"{len(steps):,} steps (every {cfg.get('histogram_every', '?')}); fixed bins, NaN and ±Inf counted"
                 if len(steps) else "none (histogram_every=0, or not recorded)"))
