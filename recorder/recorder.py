@@ -218,11 +218,11 @@ class Recorder:
                 weighted = [i for i in range(len(names)) if self.watcher.is_leaf[i] and self.watcher.has_weights[i]]
                 chosen = sorted({weighted[0], weighted[len(weighted) // 2], weighted[-1]}) if weighted else []
             self.samples = Samples(cfg.sample_every, cfg.sample_rows, cfg.sample_max_elements,
-                                   cfg.sample_budget_bytes)
+                                   cfg.sample_budget_bytes, self._fail)
             self.watcher.samples = self.samples
             self.watcher.sample_modules = {i: names[i] for i in chosen}
         if cfg.blackbox:
-            self.blackbox = BlackBox(self.model)
+            self.blackbox = BlackBox(self.model, self._fail)
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             self._opt_hook = register_optimizer_step_pre_hook(self._pre_optimizer_step)
 
@@ -383,7 +383,8 @@ class Recorder:
             if hist:
                 pk.add("hist_w", [histogram(self._params[i]) for i in self._hist_params])
                 pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
-                                  else torch.full((N_BINS,), -1, dtype=torch.long) for i in self._hist_params])
+                                  else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
+                                  for i in self._hist_params])
             self.watcher.pack(pk)
             window_ends = self.activity.window_ends(step)
             if window_ends:

@@ -183,7 +183,8 @@ class Samples:
     """Activations and output gradients of a few modules on sampled steps, the first rows of
     the batch (dim 0) only, at most ``max_elements`` per tensor; at most ``budget`` bytes in all."""
 
-    def __init__(self, every: int, max_rows: int, max_elements: int, budget: int):
+    def __init__(self, every: int, max_rows: int, max_elements: int, budget: int, on_error):
+        self.on_error = on_error
         self.every = every
         self.max_rows = max_rows
         self.max_elements = max_elements
@@ -212,10 +213,13 @@ class Samples:
             self.bytes += c.numel() * c.element_size()
         if out.requires_grad:
             def grad_hook(g, name=name):  # observes the gradient; returns None: changes nothing
-                c = host_copy(self._slice(g))
-                if c is not None:
-                    self.pending.append((f"{name}.grad", "grad", c))
-                    self.bytes += c.numel() * c.element_size()
+                try:  # never raise into the backward pass
+                    c = host_copy(self._slice(g))
+                    if c is not None:
+                        self.pending.append((f"{name}.grad", "grad", c))
+                        self.bytes += c.numel() * c.element_size()
+                except Exception as e:
+                    self.on_error(e)
             out.register_hook(grad_hook)
 
     def take(self, step: int):
@@ -253,8 +257,9 @@ class BlackBox:
 
     MAX_CALLS = 16
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, on_error):
         self.model = model
+        self.on_error = on_error
         self.armed = True
         self.inputs: list[tuple[tuple, dict]] = []
         self.rng: dict | None = None
@@ -276,6 +281,13 @@ class BlackBox:
     def _pre_forward(self, module, args, kwargs):
         if not self.armed or not torch.is_grad_enabled():
             return None
+        try:  # never raise into the model's forward
+            self._observe(args, kwargs)
+        except Exception as e:
+            self.on_error(e)
+        return None
+
+    def _observe(self, args, kwargs) -> None:
         if not self.inputs:
             self.rng = _rng_states(self._first_param)
             self._copy_buffers()
