@@ -154,6 +154,10 @@ __all__ = ["ExportError", "Selection", "parse_which", "select_params", "select_t
            "TraceFormatError"]
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{n / 1024:,.1f} KB"
+
+
 def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
     """(what, present, detail) lines for the snapshots, samples, histograms and black box a
     trace holds: for ``info`` and the report's appendix."""
@@ -164,10 +168,10 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
         nbytes = int(snaps["nbytes"].sum())
         dtype = str(snaps["dtype"].iloc[-1])
         out.append(("Parameter snapshots", True,
-                    f"{_listing(snaps['step'], str(len(snaps)) + ' kept')} ({nbytes / 2**20:,.1f} MiB"
+                    f"{len(snaps)}: {_listing(snaps['step'], 'the parameters')} ({_size(nbytes)} in all"
                     + ("" if dtype == "exact" else f", floats as {dtype}")
-                    + f"; every {cfg.get('snapshot_every', '?')} steps, oldest dropped past the budget) "
-                      "— torchautopsy export RUN_DIR --params STEP|last OUT.safetensors"))
+                    + f"; every {cfg.get('snapshot_every', '?')} steps, the oldest but the first dropped past "
+                      "snapshot_budget_bytes) — torchautopsy export RUN_DIR --params STEP|last OUT.safetensors"))
     elif rt.meta.get("snapshot_note"):
         out.append(("Parameter snapshots", False, f"none: {rt.meta['snapshot_note']}"))
     else:
@@ -179,9 +183,10 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
     if len(samples):
         mods = sorted({n.rsplit(".", 1)[0] for n in samples["name"]})
         out.append(("Sampled activations and gradients", True,
-                    f"{_listing(sorted(set(samples['step'].astype(int))), 'samples')} of "
-                    f"{', '.join(m or '(model)' for m in mods[:6])}{' ...' if len(mods) > 6 else ''} "
-                    "— torchautopsy export RUN_DIR --tensors STEP|last OUT.safetensors"))
+                    f"outputs and their gradients of {', '.join(m or '(model)' for m in mods[:6])}"
+                    f"{' ...' if len(mods) > 6 else ''}, {_listing(sorted(set(samples['step'].astype(int))), 'samples')}"
+                    f" (every {cfg.get('sample_every', '?')}) — torchautopsy export RUN_DIR --tensors STEP|last "
+                    "OUT.safetensors"))
     else:
         out.append(("Sampled activations and gradients", False, "none (sample_every=0, or not recorded)"))
     steps = rt.histogram_steps

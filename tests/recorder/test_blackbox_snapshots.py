@@ -299,7 +299,7 @@ def test_info_lists_what_the_trace_holds(nan_run):
     r = run_cli("info", run_dir)
     assert r.returncode == 0, r.stderr
     assert "fired at step 7 (grad_nonfinite)" in r.stdout
-    assert "kept at steps 0, 4, 8, 12" in r.stdout
+    assert "the parameters at steps 0, 4, 8, 12 " in r.stdout
     assert "12 steps (every 1)" in r.stdout
 
 

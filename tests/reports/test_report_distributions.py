@@ -53,7 +53,7 @@ def test_histograms_and_weights_before_after_in_the_report(nan_trace):
     html = render_html(report)
     assert "<b>exp</b>" not in html and "&lt;b&gt;exp&lt;/b&gt;" in html
     assert "fired at step 12 (grad_nonfinite)" in html
-    assert "kept at steps 0, 5, 10, 15, 20, 25, 30" in html
+    assert "the parameters at steps 0, 5, 10, 15, 20, 25, 30 " in html
     pdf = render_pdf(report)
     assert pdf.startswith(b"%PDF") and len(pdf) < 5 * 2**20
     md = render_markdown(nan_trace, findings)
