@@ -161,20 +161,18 @@ class Snapshots:
         dtype = self.dtype
 
         def run(writer) -> dict:
-            rows, placed, parts, pos = [], {}, [], 0
+            rows, placed, pos, crc = [], {}, 0, 0
             for key, role, c in items:
-                if id(c) not in placed:
+                if id(c) not in placed:  # tensor by tensor: no second copy of the whole state
                     data = raw_bytes(c)
+                    writer.write_snapshot_bytes(base + pos, data)
+                    crc = zlib.crc32(data, crc)
                     placed[id(c)] = (base + pos, int(data.size))
-                    parts.append(data)
                     pos += data.size
                 off, n = placed[id(c)]
                 rows.append(tensor_row("snapshot", step, key, role, c, "snapshots", off, n))
-            blob = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-            writer.write_snapshot_bytes(base, blob)
-            crc = zlib.crc32(blob.tobytes())
             return {"tensors": rows, "snapshots": {"step": step, "slot": slot, "offset": base,
-                                                   "nbytes": int(blob.size), "crc32": crc, "dtype": dtype}}
+                                                   "nbytes": pos, "crc32": crc, "dtype": dtype}}
 
         return run
 

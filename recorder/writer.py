@@ -316,6 +316,8 @@ class TraceWriter:
     def write_snapshot_bytes(self, offset: int, data: np.ndarray) -> None:
         """Writer thread only: write bytes into snapshots/bytes at offset (a ring slot), growing
         the dataset if the slot is new."""
+        if not data.size:
+            return
         end = offset + data.size
         n0 = self._snap.shape[0]
         if end > n0:

@@ -341,3 +341,18 @@ def test_skipped_optimizer_step_does_not_fire_and_budget_too_small(tmp_path):
     assert int(rt.param_stat("grad_nonfinite")["fc1.weight"].iloc[3]) == 1  # still recorded
     r = run_cli("info", tmp_path / "run")
     assert "armed, never fired" in r.stdout and "exceeds snapshot_budget_bytes (100)" in r.stdout
+
+
+def test_torn_snapshot_slot_is_refused(tmp_path):
+    """A slot rewritten when the job was killed no longer matches its row's crc32: the export
+    says so in one line instead of handing out a mix of two snapshots."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    with Recorder(model, tmp_path / "run", histogram_every=0, sample_every=0):
+        pass
+    with h5py.File(tmp_path / "run" / "rank0.h5", "r+") as f:
+        f["snapshots/bytes"][10] ^= 0xFF  # what a half-rewritten slot looks like
+    from tests.cli.test_bad_input import assert_one_line_error
+
+    assert_one_line_error(run_cli("export", tmp_path / "run", "--params", "0", tmp_path / "o"),
+                          "snapshot of step 0 is incomplete")
