@@ -51,6 +51,7 @@ def test_histograms_and_weights_before_after_in_the_report(nan_trace):
     assert "black box, start of step 12" not in before_after.caption  # the caption names the layer and step
     assert "step 12" in before_after.caption
     html = render_html(report)
+    assert "black box holds the parameters of step 12 before its bad update" in html
     assert "<b>exp</b>" not in html and "&lt;b&gt;exp&lt;/b&gt;" in html
     assert "fired at step 12 (grad_nonfinite)" in html
     assert "the parameters at steps 0, 5, 10, 15, 20, 25, 30 " in html
