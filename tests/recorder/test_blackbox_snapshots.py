@@ -6,7 +6,6 @@ out with the real CLI as safetensors, loads into the same model and reproduces t
 from __future__ import annotations
 
 import copy
-import json
 
 import h5py
 import numpy as np
