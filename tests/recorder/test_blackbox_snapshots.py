@@ -355,3 +355,42 @@ def test_torn_snapshot_slot_is_refused(tmp_path):
 
     assert_one_line_error(run_cli("export", tmp_path / "run", "--params", "0", tmp_path / "o"),
                           "snapshot of step 0 is incomplete")
+
+
+def test_blackbox_rng_state_reproduces_dropout(tmp_path):
+    """A transformer with dropout: the exported torch RNG state, taken at the bad step's first
+    forward, makes the re-run forward identical bit for bit (and without it, it is not)."""
+    from recorder_testlib import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seen = {}
+    model.head.register_forward_hook(lambda m, a, out: seen.__setitem__("head", out.detach().clone()))
+    with Recorder(model, tmp_path / "run", histogram_every=0, sample_every=0, snapshot_every=0) as rec:
+        for step in range(7):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 6, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
+            out = model(x)
+            if step == 5:
+                kept = seen["head"]
+                out = out * float("nan")  # the loss goes NaN; the forward itself was finite
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    p, t = tmp_path / "p.safetensors", tmp_path / "t.safetensors"
+    r = run_cli("export", tmp_path / "run", "--params", "blackbox", p, "--tensors", "blackbox", t)
+    assert r.returncode == 0, r.stderr
+    params, tensors = load_file(p), load_file(t)
+    again = TinyTransformer()
+    again.load_state_dict(params)
+    again.train()
+    got = {}
+    again.head.register_forward_hook(lambda m, a, out: got.__setitem__("head", out.detach()))
+    torch.set_rng_state(tensors["rng.torch"])
+    again(tensors["forward0.args.0"])
+    assert torch.equal(got["head"], kept)
+    again(tensors["forward0.args.0"])  # other dropout masks
+    assert not torch.equal(got["head"], kept)
