@@ -230,7 +230,9 @@ class Recorder:
         task = self.snapshots.take(step)
         self._last_snapshot = step
         if task is not None:
-            self.writer.put_task(task, timeout=30.0)
+            # Never stalls training: a writer so far behind that its queue is full drops it.
+            # (At creation and at close the queue is empty or drained anyway.)
+            self.writer.put_task(task)
 
     def _pre_optimizer_step(self, optimizer, args, kwargs):
         """Before any optimizer's step (a global hook; others' optimizers are ignored): compute
@@ -478,7 +480,7 @@ class Recorder:
         if self.samples is not None:
             task = self.samples.take(step)
             if task is not None:
-                self.writer.put_task(task, timeout=10.0)
+                self.writer.put_task(task)
         bb = self.blackbox
         if bb is not None and bb.armed:
             trigger = ("loss_nonfinite" if self._loss_given and not np.isfinite(loss_value) else
