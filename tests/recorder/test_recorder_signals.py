@@ -152,6 +152,8 @@ CHILD_EXIT = textwrap.dedent("""
     rec = Recorder(model, sys.argv[1])  # never closed by this script
     for step in range(6):
         loss = model(torch.randn(8, 4)).pow(2).mean()
+        if mode == "crash" and step == 3:
+            raise RuntimeError("data loader died")  # uncaught: the script ends by it
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -192,3 +194,17 @@ def test_sigterm_chains_to_the_jobs_own_handler(tmp_path):
         assert attr_str(f, "end_reason") == "sigterm"
         np.testing.assert_array_equal(f["steps/step"][:], np.arange(3))
 
+
+
+def test_uncaught_exception_fires_the_black_box(tmp_path):
+    """A script that dies by an exception outside any `with Recorder(...)`: the trace is closed
+    at exit with the exception as its end, and the black box holds the step it died in (its
+    forward had run: its input and torch's RNG state are there)."""
+    r, path = _run_child(tmp_path, "crash")
+    assert r.returncode == 1 and "data loader died" in r.stderr
+    with h5py.File(path, "r") as f:
+        assert attr_str(f, "end_reason").startswith("exception: RuntimeError: data loader died")
+        assert [t.decode() for t in f["blackbox/trigger"][:]] == ["exception"]
+        assert int(f["blackbox/step"][0]) == 3
+        roles = [r.decode() for r, src in zip(f["tensors/role"][:], f["tensors/source"][:]) if src == b"blackbox"]
+        assert roles.count("param") == 4 and "input" in roles and "rng" in roles
