@@ -293,6 +293,14 @@ def test_export_errors(nan_run, tmp_path):
     assert r.returncode == 0 and "off (blackbox=False)" in r.stdout
 
 
+def test_analyze_points_at_the_black_box(nan_run):
+    run_dir, _ = nan_run
+    r = run_cli("analyze", run_dir, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    assert "black box: rank 0 kept step 7 (grad_nonfinite), parameters before its bad update" in r.stdout
+    assert "--params blackbox params.safetensors --tensors blackbox inputs.safetensors" in r.stdout
+
+
 def test_info_lists_what_the_trace_holds(nan_run):
     run_dir, _ = nan_run
     r = run_cli("info", run_dir)
