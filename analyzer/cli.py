@@ -185,6 +185,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     if findings:
         click.echo(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n))
+    _blackbox_lines(trace)
 
     if json_path:
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
@@ -194,6 +195,22 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
+
+
+def _blackbox_lines(trace: Trace) -> None:
+    """Where a black box fired, and the command that takes the moment it broke out."""
+    for rt in trace.ranks.values():
+        try:
+            bb = rt.blackbox
+        except TraceError:
+            continue
+        if len(bb):
+            row = bb.iloc[0]
+            rank = f" --rank {rt.rank}" if len(trace.ranks) > 1 else ""
+            when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
+            click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({row['trigger']}), parameters "
+                       f"{when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
+                       "params.safetensors --tensors blackbox inputs.safetensors")
 
 
 def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress) -> None:
@@ -292,6 +309,15 @@ def info(run_dir):
         if len(ooms):
             click.echo(f"  out of memory  {len(ooms)} event(s), first at step {int(ooms['step'].iloc[0]):,} "
                        f"on {ooms['device'].iloc[0]}")
+        try:
+            from .export import describe_stored
+
+            for what, _, detail in describe_stored(rt):
+                label = {"Parameter snapshots": "snapshots", "Sampled activations and gradients": "samples",
+                         "Black box": "black box"}.get(what, "histograms")
+                click.echo(f"  {label:12} {detail}")
+        except TraceError as e:
+            click.echo(f"  tensors      unreadable ({e})")
         if m.get("dropped_steps"):
             click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
         click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
@@ -311,12 +337,27 @@ def info(run_dir):
                    "(drag it onto https://pytorch.org/memory_viz).")
 @click.option("--which", default=None, metavar="N|last|peak|oom",
               help="Which memory snapshot (default: the one taken when memory ran out, else the last).")
+@click.option("--params", "params", nargs=2, type=(str, click.Path(dir_okay=False)), metavar="WHICH OUT.safetensors",
+              help="Write a parameter snapshot (keys as in model.state_dict()) as safetensors. WHICH: a step "
+                   "number (the parameters at the start of that step), 'last', or 'blackbox' (the parameters "
+                   "before the bad update).")
+@click.option("--tensors", "tensors", nargs=2, type=(str, click.Path(dir_okay=False)), metavar="WHICH OUT.safetensors",
+              help="Write sampled activations and gradients (WHICH: a step number or 'last') or the black box's "
+                   "inputs, gradients, optimizer state and RNG states ('blackbox') as safetensors.")
 @click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
-def export(run_dir, profile_path, window, snapshot_path, which, rank):
+def export(run_dir, profile_path, window, snapshot_path, which, params, tensors, rank):
     """Export data recorded in RUN_DIR in the formats other tools read."""
-    if not profile_path and not snapshot_path:
-        raise click.UsageError("nothing to export: give --profile OUT.json or --memory-snapshot OUT.pickle")
-    _check_writable(profile_path, snapshot_path)
+    if not (profile_path or snapshot_path or params or tensors):
+        raise click.UsageError("nothing to export: give --profile OUT.json, --memory-snapshot OUT.pickle, "
+                               "--params WHICH OUT.safetensors or --tensors WHICH OUT.safetensors")
+    from .export import ExportError, parse_which, safetensors_bytes, select_params, select_tensors
+
+    asked = [(select_params, "parameters", params), (select_tensors, "tensors", tensors)]
+    try:
+        asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
+    except ExportError as e:
+        raise InputError(str(e)) from None
+    _check_writable(profile_path, snapshot_path, *(out for *_, out in asked))
     trace = _load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
@@ -325,6 +366,16 @@ def export(run_dir, profile_path, window, snapshot_path, which, rank):
     rt = trace.ranks[rank]
     outputs = []
     try:
+        for select, what, which_tensors, out in asked:
+            try:
+                sel = select(rt, which_tensors)
+            except ExportError as e:
+                raise InputError(str(e)) from None
+            if not sel.tensors:
+                raise InputError(f"{rt.path}: {sel.description} holds no tensor that safetensors can store")
+            skipped = f"; skipped (no safetensors dtype): {', '.join(sel.skipped[:5])}" if sel.skipped else ""
+            outputs.append((out, safetensors_bytes(sel), f"{sel.description}, rank {rank} "
+                            f"({len(sel.tensors)} tensors){skipped}"))
         if profile_path:
             data = rt.profile_trace(window)
             w = rt.profile_windows
@@ -337,7 +388,7 @@ def export(run_dir, profile_path, window, snapshot_path, which, rank):
         raise InputError(str(e)) from None
     for path, data, what in outputs:
         _write(path, data)
-        click.echo(f"wrote {path}: {what} ({len(data) / 2**20:.1f} MiB)")
+        click.echo(f"wrote {path}: {what} ({_human_bytes(len(data))})")
 
 
 def _memory_snapshot(rt, which, rank, path):

@@ -63,6 +63,59 @@ class RecorderConfig:
     queue_size: int = 1024
     # Flush and close the trace on SIGTERM (cluster pre-emption), then let the signal go on.
     handle_sigterm: bool = True
+    # Parameter snapshots (parameters and persistent buffers, keys as in model.state_dict()): the
+    # weights at step 0, then at the start of every `snapshot_every`-th step, and the final ones at
+    # close. Each costs one copy of the model to the host (on CUDA a sync) on its step only: every
+    # 1,000 steps that is far below 0.1% of a job whose step takes 10 ms or more. 0 turns them off.
+    snapshot_every: int = 1000
+    # Disk the snapshots may take: the first snapshot is always kept, later ones reuse the slots
+    # of a ring (the oldest goes first), so a trace never grows past this with snapshots. 1 GiB
+    # keeps ~25 snapshots of a 10M-parameter float32 model; a model larger than the budget gets
+    # none (say so with a larger budget, or snapshot_dtype="bfloat16").
+    snapshot_budget_bytes: int = 2**30
+    # "exact" stores every tensor in its own dtype (bfloat16 as its raw bits); "float16" or
+    # "bfloat16" halve a float32 model's snapshots (integer buffers stay exact).
+    snapshot_dtype: str = "exact"
+    # Fixed-bin histograms (NaN, -Inf, signed half-octave magnitudes from 2**-40 to 2**8, zero,
+    # +Inf: 196 bins, the same at every step; recorder/histograms.py) of weights, gradients and
+    # leaf-module outputs. Every 100 steps: a shift and a bincount over each tensor on those steps
+    # (4-8 ns per element on one CPU core; the MLP 8x512 of benchmarks/ takes +32 ms on such a
+    # step, 0.8 of a step: ~0.8% on average), and 196 x 4 bytes per tensor per sample (a model of
+    # 100 layers: ~2.4 KB per step). 0: off.
+    histogram_every: int = 100
+    # Tensors histogrammed per kind (weights/gradients, module outputs) at most, spread evenly
+    # over the model's depth when it has more: bounds the bytes of a very deep model.
+    histogram_max_tensors: int = 128
+    # Whole activations and output gradients of a few modules (`sample_modules`, by
+    # named_modules() name; default: the first, middle and last leaf modules with weights), every
+    # `sample_every` steps: the first `sample_rows` rows of the batch (dim 0), at most
+    # `sample_max_elements` elements each (64 KiB of float32), `sample_budget_bytes` in all (then
+    # sampling stops). Every 500 steps: ~0.4 MB per sample step for three layers at most,
+    # under 1 KB per step. 0 turns them off.
+    sample_every: int = 500
+    sample_modules: tuple | None = None
+    sample_rows: int = 4
+    sample_max_elements: int = 16384
+    sample_budget_bytes: int = 256 * 2**20
+    # The black box: the first time the loss, a gradient or a module output goes NaN/Inf (and on
+    # an exception leaving a `with Recorder(...)` block or the script, or on SIGTERM), the trace
+    # gets the parameters and buffers as they were before the bad update, the inputs of that
+    # step's forward passes, the gradients and optimizer state of the affected parameters, and
+    # the RNG states (torch's at the step's first forward). Until then it copies nothing but the
+    # buffers. Its cost per step (measured, MLP 8x512 on one CPU core, ~40 ms steps):
+    # - memory: references to the model's forward inputs, released at rec.step(): no more than
+    #   the loop holds anyway (one batch), and one device copy of the persistent buffers
+    #   (BatchNorm statistics: their values at the step's first forward; a few KB usually);
+    # - time: ~6 us in a forward pre-hook (torch's RNG state, a foreach copy of the buffers), and
+    #   in an optimizer step pre-hook the gradient norms rec.step() records anyway, computed
+    #   there instead (before the update) plus an isfinite check and one host sync (on CUDA the
+    #   optimizer's kernels start after the backward has finished: tens of us).
+    # When it fires (once): one host copy of the model, the batch, the gradients and optimizer
+    # state of the affected parameters (all of them after a NaN loss; Adam keeps 2 tensors per
+    # parameter), written and flushed before the update goes on (MLP with 2.1M parameters:
+    # ~120 ms, ~34 MB). Without an optimizer step (a hand-written update) it fires at
+    # rec.step(), with the parameters after that update. False turns it off.
+    blackbox: bool = True
 
     def __post_init__(self):
         for f in ("activations_every", "update_ratio_every", "write_every_steps", "queue_size",
@@ -80,6 +133,23 @@ class RecorderConfig:
                 raise ValueError(f"Recorder option {f} must be an integer >= 0, got {getattr(self, f)!r}")
         if not 0 < self.census_budget <= 1:
             raise ValueError(f"Recorder option census_budget must be in (0, 1], got {self.census_budget!r}")
+        for f in ("snapshot_every", "histogram_every", "sample_every", "snapshot_budget_bytes",
+                  "sample_budget_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"Recorder option {f} must be an integer >= 0 (0: off), got {v!r}")
+        for f in ("histogram_max_tensors", "sample_rows", "sample_max_elements"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Recorder option {f} must be a positive integer, got {v!r}")
+        if self.snapshot_dtype not in ("exact", "float16", "bfloat16"):
+            raise ValueError(f"Recorder option snapshot_dtype must be 'exact', 'float16' or 'bfloat16', "
+                             f"got {self.snapshot_dtype!r}")
+        if self.sample_modules is not None:
+            mods = (self.sample_modules,) if isinstance(self.sample_modules, str) else self.sample_modules
+            if not all(isinstance(m, str) for m in mods):
+                raise ValueError(f"Recorder option sample_modules must be module names, got {self.sample_modules!r}")
+            object.__setattr__(self, "sample_modules", tuple(mods))
         if not self.flush_every_s > 0:
             raise ValueError(f"Recorder option flush_every_s must be > 0, got {self.flush_every_s!r}")
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .histograms import histogram
 from .stats import Packer, activation_stats, floating_tensors
 
 
@@ -41,6 +42,14 @@ class ModuleWatcher:
             self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._make_hook(i)))
         self.sample_activations = False
+        # Histograms of these modules' outputs (module index -> row) on histogram steps, and
+        # whole outputs of a few modules (module index -> name) handed to `samples` on sample steps.
+        self.hist_modules: dict[int, int] = {}
+        self.sample_histograms = False
+        self.sample_modules: dict[int, str] = {}
+        self.samples = None
+        self.sample_tensors = False
+        self._hist_keys: list[int] = []
         self._shape_seen = [False] * len(self.names)
         self._new_shapes: list[dict] = []
         self.t_forward_start: float | None = None
@@ -80,6 +89,8 @@ class ModuleWatcher:
         self._seen: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, pair, version)
         self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input pairs, output pairs)
         self._acts: dict[int, torch.Tensor] = {}  # module -> summed activation_stats
+        self._hists: dict[int, torch.Tensor] = {}  # module -> summed histogram counts
+        self._sampled: set[int] = set()  # modules whose output was sampled this step
 
     def remove(self) -> None:
         for h in self._handles:
@@ -152,6 +163,13 @@ class ModuleWatcher:
                     s = activation_stats(outs[0])
                     prev = self._acts.get(index)
                     self._acts[index] = s if prev is None else prev + s.to(prev.device)
+                if self.sample_histograms and index in self.hist_modules:
+                    h = histogram(outs[0])
+                    prev = self._hists.get(index)
+                    self._hists[index] = h if prev is None else prev + h.to(prev.device)
+                if self.sample_tensors and index in self.sample_modules and index not in self._sampled:
+                    self._sampled.add(index)  # the first call of the step
+                    self.samples.on_output(self.sample_modules[index], outs[0])
             except Exception as e:  # never raise into the model's forward
                 self._on_error(e)
 
@@ -162,6 +180,19 @@ class ModuleWatcher:
         packer.add("pair_max", self._maxs)
         if self._acts:
             packer.add("acts", list(self._acts.values()))
+        self._hist_keys = list(self._hists.keys())
+        if self._hists:
+            packer.add("hist_act", [h.to(self._mins[0].device if self._mins else h.device)
+                                    for h in self._hists.values()])
+
+    def hist_rows(self, host: dict[str, np.ndarray], n_bins: int) -> np.ndarray:
+        """(histogrammed modules x bins) counts of this step; -1 for modules not called."""
+        out = np.full((len(self.hist_modules), n_bins), -1, dtype=np.int64)
+        if self._hist_keys:
+            counts = host["hist_act"].reshape(len(self._hist_keys), n_bins)
+            for k, index in enumerate(self._hist_keys):
+                out[self.hist_modules[index]] = counts[k]
+        return out
 
     def finish_step(self, host: dict[str, np.ndarray], n_modules: int) -> dict:
         """Turn this step's host values into per-module rows; then forget the step."""

@@ -26,10 +26,12 @@ from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .cuda_memory import CudaMemoryRecorder, is_out_of_memory, raise_site, requested_bytes
+from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
 from .stats import Packer
+from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
 _MAX_SUMMARY_CHARS = 65536
@@ -113,10 +115,26 @@ class Recorder:
         self._gc_gen2 = 0
         self._gc_t0 = None
         self._gc_callback = None
+        self.snapshots = None
+        self.samples = None
+        self.blackbox = None
+        self._opt_hook = None
+        self._norm_cache: dict[int, tuple] = {}  # param index -> (id(grad), grad version, norm)
+        self._last_snapshot = -1
+        self._loss_given = False
+        self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._param_name_by_id = {id(p): n for n, p in named}
+        if self.config.sample_modules is not None:
+            known = {n for n, _ in model.named_modules()}
+            unknown = [m for m in self.config.sample_modules if m not in known]
+            if unknown:
+                raise ValueError(f"Recorder option sample_modules: no module named {', '.join(map(repr, unknown))} "
+                                 f"in the model (names as model.named_modules() spells them)")
         try:
             self._device = self._params[0].device if self._params else torch.device("cpu")
         except Exception:
@@ -169,8 +187,20 @@ class Recorder:
                 "is_leaf": ([int(x) for x in self.watcher.is_leaf], "i8"),
             },
         }
+        cfg = self.config
+        # Histograms: every parameter and leaf module, or an even spread of at most
+        # histogram_max_tensors of each over the model's depth.
+        self._hist_params = spread(n_params, cfg.histogram_max_tensors) if cfg.histogram_every else []
+        leaves = [i for i, leaf in enumerate(self.watcher.is_leaf) if leaf and i > 0 or n_modules == 1]
+        hist_modules = [leaves[k] for k in spread(len(leaves), cfg.histogram_max_tensors)] if cfg.histogram_every else []
+        self.watcher.hist_modules = {m: k for k, m in enumerate(hist_modules)}
+        lower, upper = bin_edges()
+        static["histogram_bins"] = {"lower": (lower, "f8"), "upper": (upper, "f8")}
+        static["histogram_params"] = {"param": (self._hist_params, "i8")}
+        static["histogram_modules"] = {"module": (hist_modules, "i8")}
         self.writer = TraceWriter(
-            self.path, attrs, static, table_layout(n_params, n_modules),
+            self.path, attrs, static,
+            table_layout(n_params, n_modules, len(self._hist_params), len(hist_modules), N_BINS),
             flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,
             queue_size=self.config.queue_size,
         )
@@ -185,9 +215,82 @@ class Recorder:
             except Exception as e:
                 self._cuda_memory_off(e)
         self._attach_gc()
+        self._setup_tensors()
         self._active = True
         self._set_schedule(0)
         self.profiler.begin(0)
+        if self.snapshots is not None and self.snapshots.due(0):
+            self._snapshot(0)
+
+    def _setup_tensors(self) -> None:
+        """Snapshots, sampled tensors and the black box (tensors.py)."""
+        cfg = self.config
+        if cfg.snapshot_every:
+            self.snapshots = Snapshots(self.model, cfg.snapshot_every, cfg.snapshot_budget_bytes, cfg.snapshot_dtype)
+        if cfg.sample_every:
+            names = self.watcher.names
+            if cfg.sample_modules is not None:
+                chosen = [names.index(m) for m in cfg.sample_modules]
+            else:  # the first, middle and last leaf modules computing with their own weights
+                weighted = [i for i in range(len(names)) if self.watcher.is_leaf[i] and self.watcher.has_weights[i]]
+                chosen = sorted({weighted[0], weighted[len(weighted) // 2], weighted[-1]}) if weighted else []
+            self.samples = Samples(cfg.sample_every, cfg.sample_rows, cfg.sample_max_elements,
+                                   cfg.sample_budget_bytes, self._fail)
+            self.watcher.samples = self.samples
+            self.watcher.sample_modules = {i: names[i] for i in chosen}
+        if cfg.blackbox:
+            self.blackbox = BlackBox(self.model, self._fail)
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._opt_hook = register_optimizer_step_pre_hook(self._pre_optimizer_step)
+
+    def _snapshot(self, step: int) -> None:
+        task = self.snapshots.take(step)
+        self._last_snapshot = step
+        if task is not None:
+            # Never stalls training: a writer so far behind that its queue is full drops it.
+            # (At creation and at close the queue is empty or drained anyway.)
+            self.writer.put_task(task)
+
+    def _pre_optimizer_step(self, optimizer, args, kwargs):
+        """Before any optimizer's step (a global hook; others' optimizers are ignored): compute
+        the gradient norms rec.step() records (once, here, reused there) and, if one is NaN/Inf,
+        fire the black box while the parameters are still those the bad step started from."""
+        if not self._active or self.blackbox is None or not self.blackbox.armed:
+            return None
+        try:
+            grads = []
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    i = self._param_index.get(id(p))
+                    if i is not None and p.grad is not None and not p.grad.is_sparse:
+                        grads.append((i, p.grad.detach()))
+            if not grads:
+                return None  # not an optimizer of the watched model
+            self._saw_optimizer = True
+            with torch.no_grad():
+                norms = torch._foreach_norm([g for _, g in grads])
+                for (i, g), n in zip(grads, norms):
+                    self._norm_cache[i] = (id(self._params[i].grad), self._params[i].grad._version, n)
+                # The sum of the norms is finite iff every norm is: one scalar, one host sync.
+                total = Packer()
+                total.add("sum", torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).sum())
+                if np.isfinite(total.fetch()["sum"]).all():
+                    return None
+                # Rare from here on. A finite gradient whose float32 norm overflowed (or norms whose
+                # sum did) is not a failure: each gradient is checked.
+                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
+            if bad:
+                names = [self._param_names[i] for i in bad]
+                self._fire(self.blackbox.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
+                                                 self._param_name_by_id, {"n_params_affected": len(names)}))
+        except Exception as e:
+            self._fail(e)
+        return None
+
+    def _fire(self, task) -> None:
+        """Write the black box now, and wait for it to be on disk: the job may die next."""
+        self.writer.put_task(task, timeout=30.0)
+        self.writer.flush(timeout=120.0)
 
     def _install_signal_handlers(self) -> None:
         if not self.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
@@ -224,6 +327,9 @@ class Recorder:
     def _set_schedule(self, step: int) -> None:
         """Tell the hooks what the coming step records."""
         self.watcher.sample_activations = self._is_sampled(step, self.config.activations_every)
+        self.watcher.sample_histograms = bool(self.config.histogram_every) and self._is_sampled(
+            step, self.config.histogram_every)
+        self.watcher.sample_tensors = self.samples is not None and self.samples.due(step)
         self.attention.sampled = self._is_sampled(step, self.config.attention_every)
         self.activity.step = self.attention.step = step
 
@@ -389,7 +495,13 @@ class Recorder:
             # above float32's range shows as Inf and is recomputed in float64 below.
             # max|g| from aminmax per tensor: _foreach_norm(ord=inf) is 18x slower on CPU.
             if present:
-                pk.add("grad_norm", torch._foreach_norm(present))
+                cache, self._norm_cache = self._norm_cache, {}
+                hits = [cache.get(i) for i in has]
+                if all(c is not None and c[0] == id(grads[i]) and c[1] == grads[i]._version
+                       for c, i in zip(hits, has)):
+                    pk.add("grad_norm", [c[2] for c in hits])  # computed before the update, reused
+                else:
+                    pk.add("grad_norm", torch._foreach_norm(present))
                 mm = [torch.aminmax(g) for g in present]
                 pk.add("grad_min", [m[0] for m in mm])
                 pk.add("grad_max", [m[1] for m in mm])
@@ -404,6 +516,12 @@ class Recorder:
                     delta = torch._foreach_sub(weights, self._prev_weights)
                     pk.add("update_num", torch._foreach_norm(delta))
                     pk.add("update_den", torch._foreach_norm(self._prev_weights))
+            hist = self.watcher.sample_histograms and bool(self._hist_params)
+            if hist:
+                pk.add("hist_w", [histogram(self._params[i]) for i in self._hist_params])
+                pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
+                                  else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
+                                  for i in self._hist_params])
             self.watcher.pack(pk)
             window_ends = self.activity.window_ends(step)
             if window_ends:
@@ -434,7 +552,9 @@ class Recorder:
             elif self._params and self._is_sampled(step, cfg.update_ratio_every):
                 self._prev_weights = None if cfg.update_ratio_every > 1 else self._prev_weights
 
+        hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
         mods = self.watcher.finish_step(host, len(self.watcher.names))
+        self._loss_given = loss is not None
         if isinstance(loss, torch.Tensor):
             loss_value = float(host["loss"][0]) if host["loss"].size else float("nan")
         elif loss is None:
@@ -465,6 +585,12 @@ class Recorder:
             rows["updates"] = {"step": step, "ratio": _f32(ratio)}
         if window_ends:
             rows["activity"] = self.activity.finish_window(step, host)
+        if hist_act is not None:
+            nh = len(self._hist_params)
+            w = host["hist_w"].reshape(nh, N_BINS) if hist else np.zeros((0, N_BINS))
+            g = host["hist_g"].reshape(nh, N_BINS) if hist else np.zeros((0, N_BINS))
+            rows["histograms"] = {"step": step, **{k: np.minimum(v, 2**31 - 1).astype(np.int32).reshape(-1)
+                                                    for k, v in (("weight", w), ("grad", g), ("activation", hist_act))}}
         attn = self.attention.finish_step(step, host)
         if attn is not None:
             rows["attention"] = attn
@@ -486,6 +612,32 @@ class Recorder:
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
+        self._after_step(step, loss_value, grad_bad, mods)
+
+    def _after_step(self, step: int, loss_value: float, grad_bad, mods) -> None:
+        """Sampled tensors, the next snapshot, and the black box if this step broke without an
+        optimizer step seeing it (NaN loss or output with finite gradients, a manual update)."""
+        if self.samples is not None:
+            task = self.samples.take(step)
+            if task is not None:
+                self.writer.put_task(task)
+        bb = self.blackbox
+        if bb is not None and bb.armed:
+            trigger = ("loss_nonfinite" if self._loss_given and not np.isfinite(loss_value) else
+                       # Once an optimizer step of this model was seen, its pre-hook judges the
+                       # gradients: NaN/Inf gradients it never saw were not applied (AMP's
+                       # GradScaler skips such steps), and are no reason to fire.
+                       "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
+                       "activation_nonfinite" if mods["origin"] >= 0 else
+                       "input_nonfinite" if mods["batch_nonfinite"] else None)
+            if trigger is not None:
+                self._fire(bb.capture(step, trigger, "end_of_step", extra={
+                    "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
+                            "gradients first (a NaN loss or output with finite gradients, or a hand-written update)"}))
+        if bb is not None:
+            bb.new_step()
+        if self.snapshots is not None and self.snapshots.due(step + 1):
+            self._snapshot(step + 1)
 
     def _timing(self, t_called: float) -> dict:
         """Split the step's wall time; NaN where a phase was not seen (no forward, first step,
@@ -574,6 +726,11 @@ class Recorder:
             pass
 
     def _unhook(self) -> None:
+        if getattr(self, "_opt_hook", None) is not None:
+            self._opt_hook.remove()
+            self._opt_hook = None
+        if getattr(self, "blackbox", None) is not None:
+            self.blackbox.remove()
         if getattr(self, "profiler", None) is not None:
             self.profiler.abort()
         functional.detach(self)
@@ -597,6 +754,19 @@ class Recorder:
         self.writer.put({"activity": self.activity.finish_window(self._step - 1, host),
                          "activity_sites": self.activity.take_new_sites()})
 
+    def _final_tensors(self, reason: str) -> None:
+        """At close: the black box if the job is leaving by an exception or SIGTERM (and it has
+        not fired), and the final parameters as a snapshot."""
+        try:
+            bb = self.blackbox
+            if bb is not None and bb.armed and (reason.startswith("exception") or reason == "sigterm"):
+                self._fire(bb.capture(self._step, reason.split(":")[0], "at_exit", extra={"reason": reason}))
+            if self.snapshots is not None and self._last_snapshot != self._step and self._step > 0:
+                self._snapshot(self._step)
+        except Exception as e:
+            warnings.warn(f"torchautopsy: the final snapshot or black box could not be taken ({e!r})",
+                          RuntimeWarning, stacklevel=3)
+
     def flush(self) -> None:
         """Write everything recorded so far to disk now."""
         if self._active and self.writer is not None:
@@ -613,11 +783,13 @@ class Recorder:
         try:
             if was_active:
                 self._final_window()
+                self._final_tensors(reason)
             self._unhook()
             if was_active and self.writer is not None:
                 self.writer.close({
                     "closed": True, "end_reason": reason, "end_unix": time.time(),
                     "n_steps_recorded": self._step,
+                    **({"snapshot_note": self.snapshots.skipped} if self.snapshots and self.snapshots.skipped else {}),
                 })
             self._prev_weights = None
             if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():

@@ -38,6 +38,9 @@ class Column:
     # None: one value per row; N: N values per row (one per parameter/module); GROWS: as many
     # as seen so far (shorter earlier rows are padded with the fill value)
     width: int | None = None
+    # rows per chunk, where the default (about 32 KiB, at least 16 rows) would make a wide,
+    # rarely written table allocate megabytes at its first row (histograms)
+    chunk_rows: int | None = None
 
 
 def _fill(dtype: str):
@@ -45,7 +48,8 @@ def _fill(dtype: str):
 
 
 # Tables written per step or per sample; each is an HDF5 group of equally long datasets.
-def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
+def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_modules: int = 0,
+                 n_bins: int = 0) -> dict[str, list[Column]]:
     return {
         "steps": [
             Column("step", "i8"),
@@ -252,6 +256,44 @@ def table_layout(n_params: int, n_modules: int) -> dict[str, list[Column]]:
             Column("head_similarity", "f4", GROWS),  # per site: mean pairwise cosine of heads
             Column("keys", "i4", GROWS),  # per site: number of keys
         ],
+        # Stored tensors (tensors.py): parameter snapshots, sampled activations and gradients,
+        # the black box. One row per tensor; its raw bytes (exact dtype, C order, little-endian)
+        # are in blobs/bytes or snapshots/bytes at [offset, offset + nbytes).
+        "tensors": [
+            Column("source", "str"),  # snapshot | sample | blackbox
+            Column("step", "i8"),
+            Column("name", "str"),  # state_dict key; or module.activation / module.grad; or input key
+            Column("role", "str"),  # param | buffer | activation | grad | input | optimizer | rng
+            Column("dtype", "str"),  # torch dtype without "torch.", e.g. bfloat16
+            Column("shape", "str"),  # JSON list
+            Column("location", "str"),  # blobs | snapshots
+            Column("offset", "i8"),
+            Column("nbytes", "i8"),
+        ],
+        # One row per parameter snapshot written into a slot of the snapshot ring
+        # (snapshots/bytes); a slot holds the snapshot of its latest row.
+        "snapshots": [
+            Column("step", "i8"),  # parameters as they were at the start of this step
+            Column("slot", "i4"),
+            Column("offset", "i8"),  # into snapshots/bytes
+            Column("nbytes", "i8"),
+            Column("crc32", "i8"),  # zlib.crc32 of those bytes: a slot torn by a kill fails it
+            Column("dtype", "str"),  # "exact", or the half-precision dtype floats were stored in
+        ],
+        "blackbox": [
+            Column("step", "i8"),
+            Column("trigger", "str"),  # what set it off (grad_nonfinite, loss_nonfinite, ...)
+            Column("params_at", "str"),  # start_of_step (before the bad update) | end_of_step | at_exit
+            Column("detail", "str"),  # JSON: affected parameters, optimizer, what was captured
+        ],
+        # Sampled histograms (histograms.py): counts per bin of histogram_bins/, for the tensors
+        # listed in histogram_params/ and histogram_modules/.
+        "histograms": [
+            Column("step", "i8"),
+            Column("weight", "i4", n_hist_params * n_bins, chunk_rows=1),
+            Column("grad", "i4", n_hist_params * n_bins, chunk_rows=1),
+            Column("activation", "i4", n_hist_modules * n_bins, chunk_rows=1),
+        ],
     }
 
 
@@ -312,6 +354,11 @@ class TraceWriter:
         # Variable-length binary data (gzipped profiler traces), appended; tables hold offsets.
         self._blobs = self._f.create_dataset("blobs/bytes", shape=(0,), maxshape=(None,), dtype="u1",
                                              chunks=(64 * 1024,))
+        # Parameter snapshots: a ring of fixed slots rewritten in place (HDF5 never gives back
+        # the space of deleted data, so a disk budget is kept by reusing slots). Uncompressed
+        # chunks are allocated once and rewritten in place.
+        self._snap = self._f.create_dataset("snapshots/bytes", shape=(0,), maxshape=(None,), dtype="u1",
+                                            chunks=(64 * 1024,))
         self._f.flush()
         self._f.swmr_mode = True
         self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
@@ -330,7 +377,7 @@ class TraceWriter:
             shape, maxshape, chunks = (0, 0), (None, None), (128, 32)
         else:  # a model without parameters still gets its (steps x 0) datasets
             shape, maxshape = (0, c.width), (None, c.width or None)
-            chunks = (_chunk_rows(c.width, item), max(1, c.width))
+            chunks = (c.chunk_rows or _chunk_rows(c.width, item), max(1, c.width))
         return g.create_dataset(c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
                                 fillvalue=_fill(c.dtype))
 
@@ -342,11 +389,15 @@ class TraceWriter:
         except queue.Full:
             self.dropped += 1
 
-    def put_task(self, task) -> None:
+    def put_task(self, task, timeout: float = 0.0) -> None:
         """Queue work for the writer thread: task(writer) returns rows like put() takes. A
-        failing task warns and is skipped; it does not stop the writer."""
+        failing task warns and is skipped; it does not stop the writer. With a timeout, wait
+        that long for room (the black box: once, and worth a wait) instead of dropping it."""
         try:
-            self._q.put_nowait((_TASK, task))
+            if timeout > 0:
+                self._q.put((_TASK, task), timeout=timeout)
+            else:
+                self._q.put_nowait((_TASK, task))
         except queue.Full:
             self.dropped += 1
 
@@ -357,6 +408,18 @@ class TraceWriter:
         self._blobs.resize(n0 + data.size, axis=0)
         self._blobs[n0:] = data
         return n0
+
+    def write_snapshot_bytes(self, offset: int, data: np.ndarray) -> None:
+        """Writer thread only: write bytes into snapshots/bytes at offset (a ring slot), growing
+        the dataset if the slot is new."""
+        if not data.size:
+            return
+        end = offset + data.size
+        n0 = self._snap.shape[0]
+        if end > n0:
+            self._check_room_bytes(end - n0)
+            self._snap.resize(end, axis=0)
+        self._snap[offset:end] = data
 
     def flush(self, timeout: float = 30.0) -> None:
         """Write and flush everything queued so far; returns when done (or after timeout)."""

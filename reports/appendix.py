@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..analyzer.errors import TraceError
+from ..analyzer.export import describe_stored
 from ..analyzer.findings import Finding
 from .context import Context
 from .format import format_number, plural, shorten
@@ -256,6 +257,10 @@ def recorded(ctx: Context) -> list[Recorded]:
     if ooms is not None and len(ooms):
         out.append(Recorded("Out-of-memory events", True, f"{plural(len(ooms), 'event')}, first at step "
                             f"{int(ooms['step'].iloc[0]):,}"))
+    try:
+        out += [Recorded(what, ok, detail) for what, ok, detail in describe_stored(rt)]
+    except TraceError as e:
+        out.append(Recorded("Snapshots, samples, black box", False, f"unreadable ({e})"))
     dropped = int(rt.meta.get("dropped_steps", 0) or 0)
     out.append(Recorded("Every step", dropped == 0, "no step dropped" if not dropped else
                         f"{plural(dropped, 'step')} dropped: the writer fell behind"))

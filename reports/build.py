@@ -12,7 +12,7 @@ from .. import __version__
 from ..analyzer.config import AnalysisConfig
 from ..analyzer.findings import Finding, sort_findings
 from ..analyzer.trace import Trace
-from . import appendix, overview
+from . import appendix, distributions, overview
 from .context import Context, no_figure
 from .format import evidence_rows, shorten
 from .model import Figure, FindingView, Report, Table
@@ -53,6 +53,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
     for name in overview.FIGURES:
         tasks.append((f"overview: {name}", lambda name=name: overview_figs.append(_safe_figure(
             name, lambda: overview.build(ctx, name)))))
+    tasks.append(("overview: distributions", lambda: overview_figs.extend(_safe_figures(
+        "distributions", lambda: distributions.figures(ctx) + distributions.snapshot_figures(ctx)))))
     tables: list[Table] = []
     tasks.append(("appendix: parameters", lambda: tables.append(appendix.parameter_table(ctx))))
     tasks.append(("appendix: modules", lambda: tables.append(appendix.module_table(ctx))))
@@ -104,6 +106,14 @@ def _safe_figure(what: str, build: Callable[[], Figure | None]) -> Figure | None
     except Exception as e:
         return no_figure(what, f"This figure could not be drawn ({type(e).__name__}: {e}); "
                                "please report it with this trace.")
+
+
+def _safe_figures(what: str, build: Callable[[], list[Figure]]) -> list[Figure]:
+    try:
+        return build()
+    except Exception as e:
+        return [no_figure(what, f"These figures could not be drawn ({type(e).__name__}: {e}); "
+                                "please report it with this trace.")]
 
 
 def _more_findings(rest: list[Finding]) -> Table | None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import re
 import shlex
 
+from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
 from .model import plain
 from .summary import build_verdict, ending, plural, steps_span
 
-# 16 fixed lines and at most MAX_ROWS table rows: under 40 lines.
+# 16 fixed lines, at most MAX_ROWS table rows (and 2 saying more are left out), 2 for the black
+# box: 40 lines at most.
 MAX_ROWS = 20
 _CELL_CHARS = {"kind": 28, "where": 60, "summary": 160}
 _VERDICT_CHARS = 700
@@ -28,6 +30,9 @@ def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
              _verdict_line(findings, len(trace.ranks)), ""]
     lines += _findings_table(findings) if findings else ["No findings."]
+    box = _blackbox_line(trace)
+    if box:
+        lines += ["", box]
     command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html --pdf report.pdf"
     fence = "`" * max(3, _longest_backtick_run(command) + 1)
     lines += ["", "Full report with evidence and figures (reproduce the analysis):", "", fence, command, fence]
@@ -78,6 +83,24 @@ def _findings_table(findings: list[Finding]) -> list[str]:
     if len(findings) > MAX_ROWS:
         rows += ["", f"_{len(findings) - MAX_ROWS} more finding(s) in the HTML or JSON report._"]
     return rows
+
+
+def _blackbox_line(trace: Trace) -> str:
+    """One line when a rank's black box fired: where, and the command that takes it out."""
+    for rt in trace.ranks.values():
+        try:
+            bb = rt.blackbox
+        except TraceError:
+            continue
+        if len(bb):
+            row = bb.iloc[0]
+            when = "before the bad update" if row["params_at"] == "start_of_step" else "after the step's update"
+            rank = f" --rank {rt.rank}" if len(trace.ranks) > 1 else ""
+            return (f"**Black box:** rank {rt.rank}, step {int(row['step']):,} ({md_text(row['trigger'], 40)}): "
+                    f"parameters {when} and that step's inputs are in the trace; "
+                    f"`torchautopsy export RUN_DIR{rank} --params blackbox params.safetensors --tensors blackbox "
+                    f"inputs.safetensors`")
+    return ""
 
 
 def _longest_backtick_run(text: str) -> int:

@@ -4,8 +4,11 @@ the batch or the loss, the loss."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from ...analyzer.errors import TraceError
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, first_nonfinite, no_figure, rows_between, undrawn
@@ -35,6 +38,29 @@ def phrase(fs: list[Finding]) -> Text:
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure:
+    fig = _figure_for(ctx, f)
+    box = _blackbox_note(ctx.rank(f.rank), f)
+    return replace(fig, caption=fig.caption + box) if box else fig
+
+
+def _blackbox_note(rt, f: Finding) -> str:
+    """Where the trace's black box can take the reader: the bad step, re-run on their machine."""
+    try:
+        bb = rt.blackbox
+    except TraceError:
+        return ""
+    if not len(bb):
+        return ""
+    row = bb.iloc[0]
+    at = int(row["step"])
+    when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
+    rank = f" --rank {rt.rank}" if f.rank is not None else ""
+    return (f" The trace's black box holds the parameters of step {at:,} {when} and that step's inputs: "
+            f"torchautopsy export RUN_DIR{rank} --params blackbox params.safetensors --tensors blackbox "
+            "inputs.safetensors, then load_state_dict and run the forward to see it again.")
+
+
+def _figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     stage = f.evidence.get("stage")
     span, note = ctx.window(rt, f.step)

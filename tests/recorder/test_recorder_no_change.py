@@ -37,7 +37,8 @@ def _run(kind, run_dir=None, **options):
 def test_losses_and_weights_bit_identical(kind, tmp_path):
     base_losses, base_state = _run(kind)
     # Sample everything on every step: the heaviest recording must still change nothing.
-    rec_losses, rec_state = _run(kind, tmp_path / "run", activations_every=1, update_ratio_every=1)
+    rec_losses, rec_state = _run(kind, tmp_path / "run", activations_every=1, update_ratio_every=1,
+                                 histogram_every=1, sample_every=1, snapshot_every=1)
     assert torch.equal(rec_losses, base_losses), (rec_losses - base_losses).abs().max()
     assert base_state.keys() == rec_state.keys()
     for k in base_state:
@@ -62,3 +63,33 @@ def test_recorder_keeps_no_activation_alive(tmp_path):
             del loss, x, y
             gc.collect()
             assert all(r() is None for r in refs), "an activation outlived its step"
+
+
+def test_blackbox_firing_changes_nothing(tmp_path):
+    """A NaN at step 5 fires the black box inside optimizer.step(): the run goes on exactly as
+    without the recorder (NaN losses compare equal as NaN), and its final state is identical."""
+
+    def run(run_dir):
+        model, opt = build("cnn", seed=7)
+        rec = Recorder(model, run_dir) if run_dir is not None else None
+        losses = []
+        for step in range(8):
+            x, y = batch("cnn", step)
+            if step == 5:
+                x = x.clone()
+                x[0, 0, 0, 0] = float("nan")
+            loss = train_step(model, opt, x, y)
+            if rec is not None:
+                rec.step(loss=loss)
+            losses.append(loss.detach().clone())
+        if rec is not None:
+            rec.close()
+            assert not rec.blackbox.armed
+        return torch.stack(losses), model.state_dict()
+
+    base_losses, base_state = run(None)
+    rec_losses, rec_state = run(tmp_path / "run")
+    assert torch.equal(torch.isnan(rec_losses), torch.isnan(base_losses))
+    assert torch.equal(torch.nan_to_num(rec_losses), torch.nan_to_num(base_losses))
+    for k in base_state:
+        assert torch.equal(torch.nan_to_num(rec_state[k]), torch.nan_to_num(base_state[k])), k

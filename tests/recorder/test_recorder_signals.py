@@ -97,6 +97,13 @@ def test_sigkill_leaves_flushed_steps_readable(tmp_path):
         gn = f["params/grad_norm"]
         assert n - 1 <= gn.shape[0] <= n + 1  # tables are flushed together (a row may straddle)
         assert np.isfinite(gn[: min(n, gn.shape[0])]).all()
+    # the snapshot of step 0 (written when the Recorder was created) reads back, crc verified
+    from torchautopsy import load
+    from torchautopsy.analyzer.export import select_params
+
+    rt = load(path).ranks[0]
+    assert list(rt.snapshots["step"][:1]) == [0]
+    assert set(select_params(rt, 0).tensors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(tmp_path):
@@ -119,6 +126,13 @@ def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(tmp_path):
         # the step's other rows out; never more than that one)
         for table in ("params/grad_norm", "params/param_norm", "modules/output_absmax"):
             assert n - 1 <= f[table].shape[0] <= n, table
+        # pre-emption fires the black box: the state and inputs of the step it interrupted
+        assert [t.decode() for t in f["blackbox/trigger"][:]] == ["sigterm"]
+        assert f["blackbox/params_at"][0].decode() == "at_exit"
+        # (inputs and RNG states only if the signal landed inside a step, after its first
+        # forward: rec.step() lets go of the step's inputs)
+        bb = [r.decode() for r, src in zip(f["tensors/role"][:], f["tensors/source"][:]) if src == b"blackbox"]
+        assert bb.count("param") == 4
 
 
 CHILD_EXIT = textwrap.dedent("""
@@ -138,6 +152,8 @@ CHILD_EXIT = textwrap.dedent("""
     rec = Recorder(model, sys.argv[1])  # never closed by this script
     for step in range(6):
         loss = model(torch.randn(8, 4)).pow(2).mean()
+        if mode == "crash" and step == 3:
+            raise RuntimeError("data loader died")  # uncaught: the script ends by it
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -178,3 +194,17 @@ def test_sigterm_chains_to_the_jobs_own_handler(tmp_path):
         assert attr_str(f, "end_reason") == "sigterm"
         np.testing.assert_array_equal(f["steps/step"][:], np.arange(3))
 
+
+
+def test_uncaught_exception_fires_the_black_box(tmp_path):
+    """A script that dies by an exception outside any `with Recorder(...)`: the trace is closed
+    at exit with the exception as its end, and the black box holds the step it died in (its
+    forward had run: its input and torch's RNG state are there)."""
+    r, path = _run_child(tmp_path, "crash")
+    assert r.returncode == 1 and "data loader died" in r.stderr
+    with h5py.File(path, "r") as f:
+        assert attr_str(f, "end_reason").startswith("exception: RuntimeError: data loader died")
+        assert [t.decode() for t in f["blackbox/trigger"][:]] == ["exception"]
+        assert int(f["blackbox/step"][0]) == 3
+        roles = [r.decode() for r, src in zip(f["tensors/role"][:], f["tensors/source"][:]) if src == b"blackbox"]
+        assert roles.count("param") == 4 and "input" in roles and "rng" in roles

@@ -1,0 +1,406 @@
+"""Whole tensors in the trace: parameter snapshots, sampled activations and gradients, and the
+black box (what the model looked like just before it broke).
+
+Tensors are stored as their raw bytes (exact dtype, C order, native little-endian; bfloat16 as
+its 16 bits) with a row per tensor in the ``tensors`` table: nothing is pickled. The copies to
+the host are taken in the training thread (the tensors change at the next step); encoding and
+writing happen in the writer thread.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+import numpy as np
+import torch
+from torch import nn
+
+# Half precision a snapshot may be stored in (snapshot_dtype); "exact" keeps each tensor's dtype.
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """(key, tensor, role) of what ``model.state_dict()`` holds, keys spelled as it spells them:
+    parameters and persistent buffers of every module, tied ones under each of their names.
+
+    Walks the modules itself rather than calling state_dict(), which runs user hooks (and under
+    FSDP collectives) at a moment the training does not expect them."""
+    out = []
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        for n, p in m._parameters.items():
+            if p is not None:
+                out.append((prefix + n, p, "param"))
+        skip = getattr(m, "_non_persistent_buffers_set", set())
+        for n, b in m._buffers.items():
+            if b is not None and n not in skip:
+                out.append((prefix + n, b, "buffer"))
+        for n, c in m._modules.items():
+            if c is not None:
+                walk(c, prefix + n + ".")
+
+    walk(model, "")
+    return out
+
+
+def host_copy(t: torch.Tensor, half: torch.dtype | None = None) -> torch.Tensor | None:
+    """A contiguous CPU copy of t (floats in ``half`` if given), detached; None for tensors whose
+    bytes cannot be stored (sparse, quantized, meta, complex)."""
+    if t.is_sparse or t.is_quantized or t.device.type == "meta" or t.is_complex():
+        return None
+    t = t.detach()
+    if half is not None and t.is_floating_point() and t.dtype != half:
+        t = t.to(half)
+    # On CUDA this synchronises: it is only done on a sparse schedule or once (the black box).
+    return t.to("cpu", copy=True).contiguous()
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as uint8 (bfloat16 and bool included)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return np.zeros(0, np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def tensor_row(source: str, step: int, name: str, role: str, t: torch.Tensor, location: str,
+               offset: int, nbytes: int) -> dict:
+    return {"source": source, "step": step, "name": name, "role": role, "dtype": dtype_name(t.dtype),
+            "shape": json.dumps(list(t.shape)), "location": location, "offset": offset, "nbytes": nbytes}
+
+
+def blob_task(source: str, step: int, items: list[tuple[str, str, torch.Tensor]], extra: dict | None = None):
+    """A writer-thread task appending tensors (name, role, host tensor) to blobs/bytes."""
+
+    def run(writer) -> dict:
+        rows = []
+        for name, role, t in items:
+            data = raw_bytes(t)
+            offset = writer.append_blob(data) if data.size else 0
+            rows.append(tensor_row(source, step, name, role, t, "blobs", offset, int(data.size)))
+        out = {"tensors": rows}
+        if extra:
+            out.update(extra)
+        return out
+
+    return run
+
+
+class Snapshots:
+    """Parameter (and buffer) snapshots in a ring of slots of fixed size in snapshots/bytes.
+
+    The first snapshot (the weights at step 0) keeps slot 0 for the whole run; later ones take
+    slots 1..n-1 in turn, each overwriting the oldest, so the bytes on disk never exceed
+    ``budget`` (slot size = the first snapshot's size). A slot is written in place, then its
+    row is appended: a kill in between leaves a row whose crc32 no longer matches (the reader
+    reports that snapshot as torn)."""
+
+    def __init__(self, model: nn.Module, every: int, budget: int, dtype: str):
+        self.model = model
+        self.every = every
+        self.budget = budget
+        self.half = HALF.get(dtype)
+        self.dtype = dtype
+        self.slot_bytes = 0
+        self.n_slots = 0
+        self.count = 0  # snapshots taken
+        self.skipped = ""  # why snapshots stopped, if they did
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0 and not self.skipped
+
+    def _nbytes(self, tensors) -> int:
+        """The bytes a snapshot of these tensors takes, before copying anything."""
+        total, seen = 0, set()
+        for t in tensors:
+            if id(t) in seen or t.is_sparse or t.is_quantized or t.is_complex():
+                continue
+            seen.add(id(t))
+            size = self.half.itemsize if self.half is not None and t.is_floating_point() else t.element_size()
+            total += t.numel() * size
+        return total
+
+    def take(self, step: int):
+        """Copy the state now (the parameters at the start of ``step``); return the writer task,
+        or None when the budget cannot hold it (then nothing is copied)."""
+        state = state_tensors(self.model)
+        nbytes = self._nbytes(t for _, t, _ in state)
+        if nbytes == 0:
+            return None  # a model without parameters or buffers: nothing to keep
+        if self.count == 0:
+            self.slot_bytes = max(nbytes, 1)
+            self.n_slots = self.budget // self.slot_bytes
+            if self.n_slots < 1:
+                self.skipped = (f"one snapshot ({nbytes:,} bytes) exceeds snapshot_budget_bytes "
+                                f"({self.budget:,})")
+                return None
+        elif nbytes > self.slot_bytes:
+            self.skipped = f"the state grew to {nbytes:,} bytes, past the {self.slot_bytes:,}-byte slot"
+            return None
+        if self.count > 0 and self.n_slots < 2:
+            return None  # room for the first snapshot only
+        items = []
+        seen: dict[int, torch.Tensor] = {}
+        for key, t, role in state:
+            c = seen.get(id(t))
+            if c is None:
+                c = host_copy(t, self.half)
+                if c is None:
+                    continue
+                seen[id(t)] = c
+            items.append((key, role, c))
+        slot = 0 if self.count == 0 else 1 + (self.count - 1) % (self.n_slots - 1)
+        self.count += 1
+        base = slot * self.slot_bytes
+        dtype = self.dtype
+
+        def run(writer) -> dict:
+            rows, placed, pos, crc = [], {}, 0, 0
+            for key, role, c in items:
+                if id(c) not in placed:  # tensor by tensor: no second copy of the whole state
+                    data = raw_bytes(c)
+                    writer.write_snapshot_bytes(base + pos, data)
+                    crc = zlib.crc32(data, crc)
+                    placed[id(c)] = (base + pos, int(data.size))
+                    pos += data.size
+                off, n = placed[id(c)]
+                rows.append(tensor_row("snapshot", step, key, role, c, "snapshots", off, n))
+            return {"tensors": rows, "snapshots": {"step": step, "slot": slot, "offset": base,
+                                                   "nbytes": pos, "crc32": crc, "dtype": dtype}}
+
+        return run
+
+
+class Samples:
+    """Activations and output gradients of a few modules on sampled steps, the first rows of
+    the batch (dim 0) only, at most ``max_elements`` per tensor; at most ``budget`` bytes in all."""
+
+    def __init__(self, every: int, max_rows: int, max_elements: int, budget: int, on_error):
+        self.on_error = on_error
+        self.every = every
+        self.max_rows = max_rows
+        self.max_elements = max_elements
+        self.budget = budget
+        self.bytes = 0
+        self.pending: list[tuple[str, str, torch.Tensor]] = []
+        self.count = 0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0 and self.bytes < self.budget
+
+    def _slice(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        if x.dim() == 0:
+            return x
+        rows = min(self.max_rows, x.shape[0])
+        per_row = max(1, x[0].numel())
+        rows = max(1, min(rows, self.max_elements // per_row))
+        return x[:rows]
+
+    def on_output(self, name: str, out: torch.Tensor) -> None:
+        """Called from the forward hook of a sampled module on a sampled step."""
+        c = host_copy(self._slice(out))
+        if c is not None:
+            self.pending.append((f"{name}.activation", "activation", c))
+            self.bytes += c.numel() * c.element_size()
+        if out.requires_grad:
+            def grad_hook(g, name=name):  # observes the gradient; returns None: changes nothing
+                try:  # never raise into the backward pass
+                    c = host_copy(self._slice(g))
+                    if c is not None:
+                        self.pending.append((f"{name}.grad", "grad", c))
+                        self.bytes += c.numel() * c.element_size()
+                except Exception as e:
+                    self.on_error(e)
+            out.register_hook(grad_hook)
+
+    def take(self, step: int):
+        items, self.pending = self.pending, []
+        if not items:
+            return None
+        self.count += 1
+        return blob_task("sample", step, items)
+
+
+def _flatten(obj, prefix: str, tensors: list, scalars: dict, depth: int = 0) -> None:
+    """Tensors of a forward's (args, kwargs), named by their path; plain values go to scalars."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append((prefix, obj.detach()))
+    elif depth > 4:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj[:64]):
+            _flatten(v, f"{prefix}.{i}", tensors, scalars, depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in list(obj.items())[:64]:
+            _flatten(v, f"{prefix}.{k}", tensors, scalars, depth + 1)
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        scalars[prefix] = json.dumps(obj)[:200]
+
+
+class BlackBox:
+    """Holds, at no copy, what a step's failure needs; copies it out only when a step breaks.
+
+    Every step: references to the model's own forward inputs (the tensors the training holds
+    anyway; up to MAX_CALLS root forwards per step), and torch's RNG states at the step's first
+    forward (CPU, and CUDA of the model's device: ~1 us), and the buffers then (a foreach copy). Nothing is copied
+    until a trigger; then the state, inputs, optimizer state of the affected parameters, their
+    gradients and the RNG states are copied to the host once and written."""
+
+    MAX_CALLS = 16
+
+    def __init__(self, model: nn.Module, on_error):
+        self.model = model
+        self.on_error = on_error
+        self.armed = True
+        self.inputs: list[tuple[tuple, dict]] = []
+        self.rng: dict | None = None
+        # Buffers change in the forward (BatchNorm running statistics): their values at the step's
+        # first forward are copied into these, preallocated on their device (a few KB for most
+        # models: one foreach copy per step, no allocation).
+        self._buffers: list[tuple[str, torch.Tensor]] = []
+        self._buffer_copies: list[torch.Tensor] = []
+        self._buffers_at_start = False
+        self._buffer_slots: list | None = None
+        # model.to(device) keeps the Parameter objects: the first one tells the model's device
+        self._first_param = next(iter(model.parameters()), None)
+        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.inputs = []
+
+    def _pre_forward(self, module, args, kwargs):
+        if not self.armed or not torch.is_grad_enabled():
+            return None
+        try:  # never raise into the model's forward
+            self._observe(args, kwargs)
+        except Exception as e:
+            self.on_error(e)
+        return None
+
+    def _observe(self, args, kwargs) -> None:
+        if not self.inputs:
+            self.rng = _rng_states(self._first_param)
+            self._copy_buffers()
+        if len(self.inputs) < self.MAX_CALLS:
+            # Detached (shallowly): an input that carries an autograd graph (a GAN's generated
+            # batch) must not keep that graph alive through us.
+            self.inputs.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
+        return None
+
+    def _copy_buffers(self) -> None:
+        if self._buffer_slots is None:  # (module, name) of each persistent buffer, found once
+            self._buffer_slots = []
+            for prefix, m in self.model.named_modules(remove_duplicate=False):
+                skip = getattr(m, "_non_persistent_buffers_set", set())
+                self._buffer_slots += [(m, n) for n, b in m._buffers.items() if b is not None and n not in skip]
+        bufs = [(n, m._buffers.get(n)) for m, n in self._buffer_slots]
+        bufs = [(n, t) for n, t in bufs if t is not None and not (t.is_sparse or t.is_quantized or t.is_complex())]
+        if [id(t) for _, t in bufs] != [id(t) for _, t in self._buffers] or any(
+                c.shape != t.shape or c.dtype != t.dtype or c.device != t.device
+                for c, (_, t) in zip(self._buffer_copies, bufs)):
+            self._buffers = bufs  # first step, or buffers replaced / moved: allocate once more
+            self._buffer_copies = [torch.empty_like(t) for _, t in bufs]
+        if bufs:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffer_copies, [t.detach() for _, t in bufs])
+        self._buffers_at_start = True
+
+    def new_step(self) -> None:
+        self.inputs = []
+        self.rng = None
+        self._buffers_at_start = False
+
+    def capture(self, step: int, trigger: str, params_at: str, optimizer=None, bad: list[str] = (),
+                param_names: dict | None = None, extra: dict | None = None):
+        """Copy everything now; return the writer task. Disarms the box (it fires once)."""
+        self.armed = False
+        items: list[tuple[str, str, torch.Tensor]] = []
+        seen: dict[int, torch.Tensor] = {}
+        # Before the bad update the buffers are taken as they were at the step's first forward.
+        start = dict(zip((id(t) for _, t in self._buffers), self._buffer_copies)) \
+            if params_at == "start_of_step" and self._buffers_at_start else {}
+        for key, t, role in state_tensors(self.model):
+            c = seen.get(id(t))
+            c = host_copy(start.get(id(t), t)) if c is None else c
+            if c is not None:
+                seen[id(t)] = c
+                items.append((key, role, c))
+        scalars: dict[str, str] = {}
+        n_calls = len(self.inputs)
+        for call, (args, kwargs) in enumerate(self.inputs):
+            found: list = []
+            _flatten(tuple(args), f"forward{call}.args", found, scalars)
+            _flatten(dict(kwargs), f"forward{call}.kwargs", found, scalars)
+            for name, t in found:
+                c = host_copy(t)
+                if c is not None:
+                    items.append((name, "input", c))
+        rng = dict(self.rng or {})
+        rng["numpy"], rng["python"] = np.random.get_state(), random.getstate()  # as they are now
+        for name, t in rng_tensors(rng).items():
+            items.append((f"rng.{name}", "rng", t))
+        opt_info = {}
+        if optimizer is not None and param_names:
+            opt_info = {"optimizer": type(optimizer).__name__, "param_groups": _groups(optimizer, param_names)}
+            for p in [p for g in optimizer.param_groups for p in g["params"]]:
+                name = param_names.get(id(p))
+                if name is None or name not in bad:
+                    continue
+                if p.grad is not None:
+                    c = host_copy(p.grad)
+                    if c is not None:
+                        items.append((f"grad.{name}", "grad", c))
+                for k, v in optimizer.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        c = host_copy(v)
+                        if c is not None:
+                            items.append((f"optimizer.{name}.{k}", "optimizer", c))
+                    elif isinstance(v, (int, float, bool)):
+                        scalars[f"optimizer.{name}.{k}"] = json.dumps(v)
+        detail = {"trigger_detail": extra or {}, "affected": list(bad)[:1000], "forward_calls": n_calls,
+                  "values": scalars, **opt_info}
+        row = {"step": step, "trigger": trigger, "params_at": params_at,
+               "detail": json.dumps(detail, default=str)[:1_000_000]}
+        return blob_task("blackbox", step, items, {"blackbox": row})
+
+
+def _groups(optimizer, param_names: dict) -> list[dict]:
+    """Hyperparameters of each param group (numbers, strings, booleans), and its parameters."""
+    out = []
+    for g in optimizer.param_groups:
+        d = {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, type(None)))}
+        d["params"] = [param_names.get(id(p), "?") for p in g["params"]][:1000]
+        out.append(d)
+    return out
+
+
+def _rng_states(first_param: torch.Tensor | None) -> dict:
+    """torch's (and CUDA's, for a model on a GPU) RNG states as they are now: ~1 us, the small
+    byte tensors torch returns. (numpy's and Python's take 40-60 us to read: they are read only
+    when the black box fires.)"""
+    out = {"torch": torch.get_rng_state()}
+    if first_param is not None and first_param.device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(first_param.device)
+    return out
+
+
+def rng_tensors(states: dict) -> dict[str, torch.Tensor]:
+    out = {k: states[k] for k in ("torch", "cuda") if k in states}
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        out["numpy.keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).copy())
+        out["numpy.pos_has_gauss_gauss"] = torch.tensor([float(pos), float(has_gauss), float(gauss)],
+                                                        dtype=torch.float64)
+    if "python" in states:
+        version, state, gauss_next = states["python"]
+        out["python"] = torch.tensor(list(state), dtype=torch.int64)
+    return out

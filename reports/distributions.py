@@ -1,0 +1,244 @@
+"""Distributions: the recorded histograms over steps (one picture per layer group, weights,
+gradients and activations side by side, findings marked), and one layer's weights at the
+parameter snapshots before and after the first finding. Bounded: at most MAX_GROUPS pictures of
+at most HIST_COLS step columns, one snapshot comparison. Traces without histograms or snapshots
+add nothing (the appendix says what the trace holds)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from ..analyzer.errors import TraceError
+from ..analyzer.findings import Finding
+from ..analyzer.trace import HIST_KINDS, RankTrace
+from . import plots
+from .context import Context, figure, no_figure
+from .model import Figure
+
+# Layer groups (early, middle, late layers): one picture each.
+MAX_GROUPS = 3
+# Histogram rows (sampled steps) a picture reads at most, evenly spread over the run, plus the
+# rows at the findings' steps.
+HIST_COLS = 200
+_KIND_TITLES = {"weight": "weights", "grad": "gradients", "activation": "activations"}
+
+
+def figures(ctx: Context) -> list[Figure]:
+    rt = ctx.focus
+    out: list[Figure] = []
+    try:
+        steps = rt.histogram_steps
+        # At most HIST_COLS rows, evenly spread, and the rows nearest each finding's step: memory
+        # bounded by the number of layers, whatever the length of the run.
+        rows = set(np.linspace(0, len(steps) - 1, min(len(steps), HIST_COLS)).astype(int).tolist())
+        for step, _, _ in ctx.marks(rank=rt.rank):
+            if len(steps):
+                rows.add(int(np.clip(np.searchsorted(steps, step), 0, len(steps) - 1)))
+        data = {k: rt.histograms(k, rows=sorted(rows)) for k in HIST_KINDS}
+        lower, upper = rt.histogram_bins
+    except TraceError:
+        return []
+    if not lower.size or not any(len(d[0]) >= 2 for d in data.values()):
+        return []  # "over steps" needs two steps at least (a short run: the default samples step 0 only)
+    n_groups = min(MAX_GROUPS, max(len(d[1]) for d in data.values()))
+    labels = ("early", "middle", "late") if n_groups == 3 else ("early", "late") if n_groups == 2 else ("all",)
+    for g in range(n_groups):
+        panels, names = [], []
+        for kind in HIST_KINDS:
+            steps, tnames, counts = data[kind]
+            if not len(steps) or not tnames:
+                continue
+            chunk = np.array_split(np.arange(len(tnames)), n_groups)[g]
+            if not chunk.size:
+                continue
+            names += [tnames[i] for i in chunk]
+            c = np.where(counts[:, chunk, :] < 0, 0, counts[:, chunk, :]).sum(axis=1).astype(np.float64)
+            panels.append((_KIND_TITLES[kind], steps, c))
+        if not panels:
+            continue
+        shown = ", ".join(n or "(model)" for n in list(dict.fromkeys(names))[:6])
+        more = len(dict.fromkeys(names)) - 6
+        title = ctx.title_rank(f"Value distributions over steps: {labels[g]} layers", rt.rank)
+        caption = (f"Histograms of the {labels[g]} layers' weights, gradients and outputs ({shown}"
+                   f"{f' and {more} more' if more > 0 else ''}), summed over the layers, at each sampled step "
+                   f"(at most {HIST_COLS} of them, evenly spread, and those at the findings): "
+                   "share of elements per bin, log colour scale. Rows: fixed bins of signed magnitude (half "
+                   "octaves, the same at every step), with +Inf in a row of its own at the top, -Inf and NaN in "
+                   "the two at the bottom; red cells there mean non-finite values. Dotted lines mark the findings.")
+        out.append(figure(title, caption, plot_histograms, panels, lower, upper, marks=ctx.marks(rank=rt.rank),
+                          height_in=3.2))
+    return out
+
+
+def snapshot_figures(ctx: Context) -> list[Figure]:
+    snap = _snapshot_figure(ctx, ctx.focus)
+    return [snap] if snap is not None else []
+
+
+def _display_order(n_bins: int) -> np.ndarray:
+    """Top to bottom: +Inf, positive magnitudes large to small, zero, negative small to large,
+    -Inf, NaN (bin 0)."""
+    return np.array(list(range(n_bins - 1, 0, -1)) + [0])
+
+
+def _bin_label(lo: float, hi: float, i: int) -> str:
+    if i == 0:
+        return "NaN"
+    if np.isinf(lo) and np.isinf(hi):
+        return "+Inf" if lo > 0 else "-Inf"
+    if lo < 0 < hi:
+        return "0"
+    v = lo if lo > 0 else hi
+    return f"{v:+.0e}".replace("e+0", "e").replace("e-0", "e-")
+
+
+def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=()) -> None:
+    """Side-by-side heatmaps (bins x step buckets) of summed histogram counts, one per kind."""
+    fig = ax.figure
+    ax.remove()
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    order = _display_order(lower.size)
+    # Only the range of magnitude bins that holds anything, plus the special bins.
+    total = sum(c.sum(axis=0) for _, _, c in panels)[order]
+    special = np.array([i in (0, 1, lower.size - 1) or (lower[i] < 0 < upper[i]) for i in order])
+    used = np.flatnonzero((total > 0) | special)
+    keep = np.zeros(order.size, bool)
+    inner = np.flatnonzero((total > 0) & ~special)
+    if inner.size:
+        keep[inner.min():inner.max() + 1] = True
+    keep |= special
+    rows = order[keep] if used.size else order
+    for ax_, (title, steps, counts) in zip(axes, panels):
+        edges = plots.bucket_edges(len(steps), HIST_COLS)
+        summed = np.add.reduceat(counts, edges[:-1], axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = summed / summed.sum(axis=1, keepdims=True)
+            values = np.log10(np.where(share > 0, share, np.nan))[:, rows].T
+        bad = np.zeros_like(values, dtype=bool)
+        for r, b in enumerate(rows):
+            if b in (0, 1, lower.size - 1):
+                bad[r] = np.isfinite(values[r])
+        # Columns from each read row's step to the next one's (rows need not be evenly spaced).
+        x_edges = np.append(steps[edges[:-1]], steps[-1] + 1).astype(np.float64)
+        y_edges = np.arange(len(rows) + 1) - 0.5
+        extent = (float(x_edges[0]), float(x_edges[-1]))
+        cmap = plots.matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ax_.set_facecolor("#eceff1")
+            ax_.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(np.where(bad, np.nan, values)), cmap=cmap,
+                           vmin=-6, vmax=0, shading="flat")
+            if bad.any():
+                ax_.pcolormesh(x_edges, y_edges, np.ma.masked_where(~bad, np.ones_like(values)),
+                               cmap=plots.ListedColormap([plots.NONFINITE_COLOR]), vmin=0, vmax=1, shading="flat")
+        ax_.set_ylim(len(rows) - 0.5, -0.5)
+        ax_.grid(False)
+        ax_.set_title(title)
+        ax_.set_xlabel("step")
+        for step, severity, _ in marks:
+            ax_.axvline(step, color=plots.SEVERITY_COLORS.get(severity, "gray"), ls=":", lw=1.4)
+        ax_.set_xlim(extent[0], extent[1])
+        plots._step_ticks(ax_)
+    fixed = [r for r, b in enumerate(rows) if b in (0, 1, lower.size - 1) or lower[b] < 0 < upper[b]]
+    step = max(4, len(rows) // 10)
+    ticks = sorted(set(fixed) | {r for r in range(0, len(rows), step) if min(abs(r - t) for t in fixed) > step // 2})
+    labels = [_bin_label(lower[rows[r]], upper[rows[r]], rows[r]) for r in ticks]
+    # The two bottom rows (-Inf, NaN) are too close for two labels: one label between them.
+    if len(ticks) >= 2 and labels[-2:] == ["-Inf", "NaN"]:
+        ticks, labels = ticks[:-2] + [ticks[-1] - 0.5], labels[:-2] + ["-Inf, NaN"]
+    axes[0].set_yticks(ticks)
+    axes[0].set_yticklabels(labels, fontsize=6)
+
+
+# -- one layer's weights before and after the first finding ---------------------------------------
+def _finding(ctx: Context, rt: RankTrace) -> Finding | None:
+    for f in ctx.findings:
+        if f.step is not None and f.severity in ("error", "warning") and f.rank in (None, rt.rank):
+            return f
+    return None
+
+
+def _values(rt: RankTrace, source: str, step: int, name: str) -> np.ndarray | None:
+    rows = rt.tensors_of(source, step)
+    rows = rows[rows["name"] == name]
+    if rows.empty:
+        return None
+    dtype = str(rows["dtype"].iloc[0])
+    raw = rt.read_tensor_bytes(rows, verify_snapshot=step if source == "snapshot" else None)[0]
+    if dtype == "bfloat16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype not in ("float16", "float32", "float64"):
+        return None
+    return np.frombuffer(raw, np.dtype(dtype)).astype(np.float64)
+
+
+def _snapshot_figure(ctx: Context, rt: RankTrace) -> Figure | None:
+    f = _finding(ctx, rt)
+    if f is None:
+        return None
+    snaps = rt.snapshots
+    if not len(snaps):
+        return None
+    title = ctx.title_rank("Weights before and after the first finding", rt.rank)
+    # The layer: the first weight the finding names (a module's own weight), else the largest.
+    candidates = [w for w in f.where if w in rt.param_names] + [f"{w}.weight" for w in f.where
+                                                                if f"{w}.weight" in rt.param_names]
+    weights = ctx.weights(rt)
+    name = candidates[0] if candidates else (max(weights, key=lambda n: rt.param_numel[rt.param_names.index(n)])
+                                             if weights else None)
+    if name is None:
+        return None
+    steps = snaps["step"].astype(int).to_numpy()
+    series = []
+    try:
+        bb = rt.blackbox
+        if len(bb) and bb["params_at"].iloc[0] == "start_of_step" and int(bb["step"].iloc[0]) <= f.step:
+            v = _values(rt, "blackbox", int(bb["step"].iloc[0]), name)
+            if v is not None:
+                series.append((f"black box, start of step {int(bb['step'].iloc[0]):,}", v))
+        if not series and (steps <= f.step).any():
+            s = int(steps[steps <= f.step].max())
+            v = _values(rt, "snapshot", s, name)
+            if v is not None:
+                series.append((f"snapshot, start of step {s:,}", v))
+        if (steps > f.step).any():
+            s = int(steps[steps > f.step].min())
+            v = _values(rt, "snapshot", s, name)
+            if v is not None:
+                series.append((f"snapshot, start of step {s:,}", v))
+    except TraceError as e:
+        return no_figure(title, f"The snapshots could not be read ({e}).")
+    if not series:
+        return None
+    caption = (f"Distribution of the values of {name} at the stored parameters nearest before and after the "
+               f"{f.kind} finding at step {f.step:,}: share of the elements per value bin (finite values; the "
+               "legend gives the share of NaN and Inf, which have no place on the axis)." +
+               ("" if len(series) == 2 else " Only one side is stored (snapshots are sparse; the black box "
+                                            "holds the state just before a NaN/Inf)."))
+    return figure(title, caption, plot_value_distribution, series, height_in=2.6)
+
+
+# Bins of the before/after comparison: linear over the finite values of both.
+VALUE_BINS = 60
+
+
+def plot_value_distribution(series, ax) -> None:
+    """Share of a tensor's finite values per linear bin (a common range for all series); the
+    share of NaN and of +-Inf in each series' legend entry."""
+    finite = [v[np.isfinite(v)] for _, v in series]
+    allv = np.concatenate(finite) if finite else np.zeros(0)
+    lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (-1.0, 1.0)
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    edges = np.linspace(lo, hi, VALUE_BINS + 1)
+    for (label, v), f, color in zip(series, finite, plots.EMPHASIS_COLORS):
+        n = max(1, v.size)
+        counts, _ = np.histogram(f, bins=edges)
+        nan, inf = int(np.isnan(v).sum()), int(np.isinf(v).sum())
+        extra = "".join(f", {k} {c / n:.0%}" for k, c in (("NaN", nan), ("Inf", inf)) if c)
+        ax.stairs(counts / n, edges, color=color, lw=1.4, label=f"{label}{extra}")
+    ax.set_ylabel("share of elements")
+    ax.set_xlabel("value")
+    ax.legend(loc="upper left", frameon=False)
