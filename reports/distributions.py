@@ -68,7 +68,7 @@ def figures(ctx: Context) -> list[Figure]:
                    "octaves, the same at every step), with +Inf in a row of its own at the top, -Inf and NaN in "
                    "the two at the bottom; red cells there mean non-finite values. Dotted lines mark the findings.")
         out.append(figure(title, caption, plot_histograms, panels, lower, upper, marks=ctx.marks(rank=rt.rank),
-                          height_in=3.2))
+                          end=int(rt.step_index[-1]) + 1 if rt.n_steps else None, height_in=3.2))
     return out
 
 
@@ -94,8 +94,10 @@ def _bin_label(lo: float, hi: float, i: int) -> str:
     return f"{v:+.0e}".replace("e+0", "e").replace("e-0", "e-")
 
 
-def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=()) -> None:
-    """Side-by-side heatmaps (bins x step buckets) of summed histogram counts, one per kind."""
+def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(), end: int | None = None) -> None:
+    """Side-by-side heatmaps (bins x step buckets) of summed histogram counts, one per kind. A
+    column holds from its step to the next one's; the last, to ``end`` (the run's end) or one
+    sampling interval on."""
     fig = ax.figure
     ax.remove()
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
@@ -120,8 +122,11 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         for r, b in enumerate(rows):
             if b in (0, 1, lower.size - 1):
                 bad[r] = np.isfinite(values[r])
-        # Columns from each read row's step to the next one's (rows need not be evenly spaced).
-        x_edges = np.append(steps[edges[:-1]], steps[-1] + 1).astype(np.float64)
+        # Columns from each read row's step to the next one's (rows need not be evenly spaced);
+        # the last one is as wide as the interval before it, or reaches the end of the run.
+        gap = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
+        last = steps[-1] + (min(gap, end - steps[-1]) if end is not None and end > steps[-1] else gap)
+        x_edges = np.append(steps[edges[:-1]], last).astype(np.float64)
         y_edges = np.arange(len(rows) + 1) - 0.5
         extent = (float(x_edges[0]), float(x_edges[-1]))
         cmap = plots.matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
