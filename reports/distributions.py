@@ -195,24 +195,23 @@ def _snapshot_figure(ctx: Context, rt: RankTrace) -> Figure | None:
                                              if weights else None)
     if name is None:
         return None
-    steps = snaps["step"].astype(int).to_numpy()
+    # Every stored copy of the parameters: the snapshots, and the black box's (the start of the
+    # bad step). The one nearest before the finding, and the one nearest after it.
+    stored = [(int(x), "snapshot") for x in snaps["step"]]
     series = []
     try:
         bb = rt.blackbox
-        if len(bb) and bb["params_at"].iloc[0] == "start_of_step" and int(bb["step"].iloc[0]) <= f.step:
-            v = _values(rt, "blackbox", int(bb["step"].iloc[0]), name)
+        if len(bb) and bb["params_at"].iloc[0] == "start_of_step":
+            stored.append((int(bb["step"].iloc[0]), "blackbox"))
+        before = max((x for x in stored if x[0] <= f.step), default=None)
+        after = min((x for x in stored if x[0] > f.step), default=None)
+        for chosen in (before, after):
+            if chosen is None:
+                continue
+            v = _values(rt, chosen[1], chosen[0], name)
             if v is not None:
-                series.append((f"black box, start of step {int(bb['step'].iloc[0]):,}", v))
-        if not series and (steps <= f.step).any():
-            s = int(steps[steps <= f.step].max())
-            v = _values(rt, "snapshot", s, name)
-            if v is not None:
-                series.append((f"snapshot, start of step {s:,}", v))
-        if (steps > f.step).any():
-            s = int(steps[steps > f.step].min())
-            v = _values(rt, "snapshot", s, name)
-            if v is not None:
-                series.append((f"snapshot, start of step {s:,}", v))
+                label = "black box" if chosen[1] == "blackbox" else "snapshot"
+                series.append((f"{label}, start of step {chosen[0]:,}", v))
     except TraceError as e:
         return no_figure(title, f"The snapshots could not be read ({e}).")
     if not series:
@@ -230,14 +229,24 @@ VALUE_BINS = 60
 
 
 def plot_value_distribution(series, ax) -> None:
-    """Share of a tensor's finite values per linear bin (a common range for all series); the
-    share of NaN and of +-Inf in each series' legend entry."""
+    """Share of a tensor's finite values per bin (common bins for all series); the share of NaN
+    and of +-Inf in each series' legend entry. Linear bins, unless the series' scales differ by
+    more than 100x (weights that exploded): then bins of log magnitude either side of zero, on a
+    symlog axis, so that both distributions stay visible."""
     finite = [v[np.isfinite(v)] for _, v in series]
     allv = np.concatenate(finite) if finite else np.zeros(0)
     lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (-1.0, 1.0)
     if hi <= lo:
         lo, hi = lo - 0.5, hi + 0.5
     edges = np.linspace(lo, hi, VALUE_BINS + 1)
+    scales = [float(np.median(np.abs(f))) for f in finite if f.size]
+    scales = [x for x in scales if x > 0]
+    top = float(np.abs(allv).max()) if allv.size else 0.0
+    if scales and top > 100 * min(scales):
+        small = min(scales) / 100  # |x| below this shares the bin around zero
+        side = np.geomspace(small, top * 1.0001, VALUE_BINS // 2)
+        edges = np.concatenate([-side[::-1], side])
+        ax.set_xscale("symlog", linthresh=small)
     for (label, v), f, color in zip(series, finite, plots.EMPHASIS_COLORS):
         n = max(1, v.size)
         counts, _ = np.histogram(f, bins=edges)
@@ -245,5 +254,5 @@ def plot_value_distribution(series, ax) -> None:
         extra = "".join(f", {k} {c / n:.0%}" for k, c in (("NaN", nan), ("Inf", inf)) if c)
         ax.stairs(counts / n, edges, color=color, lw=1.4, label=f"{label}{extra}")
     ax.set_ylabel("share of elements")
-    ax.set_xlabel("value")
+    ax.set_xlabel("value" + (" (log scale either side of zero)" if ax.get_xscale() == "symlog" else ""))
     ax.legend(loc="upper left", frameon=False)
