@@ -199,18 +199,15 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
 
 def _blackbox_lines(trace: Trace) -> None:
     """Where a black box fired, and the command that takes the moment it broke out."""
-    for rt in trace.ranks.values():
-        try:
-            bb = rt.blackbox
-        except TraceError:
-            continue
-        if len(bb):
-            row = bb.iloc[0]
-            rank = f" --rank {rt.rank}" if len(trace.ranks) > 1 else ""
-            when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
-            click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({row['trigger']}), parameters "
-                       f"{when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
-                       "params.safetensors --tensors blackbox inputs.safetensors")
+    from .export import fired_blackbox
+
+    fired = fired_blackbox(trace)
+    if fired:
+        rt, row, rank = fired
+        when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
+        click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({row['trigger']}), parameters "
+                   f"{when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
+                   "params.safetensors --tensors blackbox inputs.safetensors")
 
 
 def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress) -> None:

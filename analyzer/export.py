@@ -158,6 +158,21 @@ def _size(n: int) -> str:
     return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{n / 1024:,.1f} KB"
 
 
+def fired_blackbox(trace):
+    """(rank trace, its black box row, the export command's rank option) of the first rank whose
+    black box fired, or None."""
+    from .errors import TraceError
+
+    for rt in trace.ranks.values():
+        try:
+            bb = rt.blackbox
+        except TraceError:
+            continue
+        if len(bb):
+            return rt, bb.iloc[0], (f" --rank {rt.rank}" if len(trace.ranks) > 1 else "")
+    return None
+
+
 def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
     """(what, present, detail) lines for the snapshots, samples, histograms and black box a
     trace holds: for ``info`` and the report's appendix."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from ..analyzer.errors import TraceError
+from ..analyzer.export import fired_blackbox
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
 from .model import plain
@@ -87,20 +87,15 @@ def _findings_table(findings: list[Finding]) -> list[str]:
 
 def _blackbox_line(trace: Trace) -> str:
     """One line when a rank's black box fired: where, and the command that takes it out."""
-    for rt in trace.ranks.values():
-        try:
-            bb = rt.blackbox
-        except TraceError:
-            continue
-        if len(bb):
-            row = bb.iloc[0]
-            when = "before the bad update" if row["params_at"] == "start_of_step" else "after the step's update"
-            rank = f" --rank {rt.rank}" if len(trace.ranks) > 1 else ""
-            return (f"**Black box:** rank {rt.rank}, step {int(row['step']):,} ({md_text(row['trigger'], 40)}): "
-                    f"parameters {when} and that step's inputs are in the trace; "
-                    f"`torchautopsy export RUN_DIR{rank} --params blackbox params.safetensors --tensors blackbox "
-                    f"inputs.safetensors`")
-    return ""
+    fired = fired_blackbox(trace)
+    if not fired:
+        return ""
+    rt, row, rank = fired
+    when = "before the bad update" if row["params_at"] == "start_of_step" else "after the step's update"
+    return (f"**Black box:** rank {rt.rank}, step {int(row['step']):,} ({md_text(row['trigger'], 40)}): "
+            f"parameters {when} and that step's inputs are in the trace; "
+            f"`torchautopsy export RUN_DIR{rank} --params blackbox params.safetensors --tensors blackbox "
+            f"inputs.safetensors`")
 
 
 def _longest_backtick_run(text: str) -> int:
