@@ -181,6 +181,13 @@ class MemoryLeakConfig:
     min_tail_slope_share: float = 0.5
     # One-off jump: a single step holds this share of the whole growth.
     jump_share: float = 0.5
+    # Tensors holding an autograd graph, counted by the census: a leak even before memory shows
+    # it when they grow by at least this many per step, this many in all, over this many
+    # censuses (healthy sample runs hold exactly 1, the step's loss, at every census; a kept
+    # loss adds 1 per step).
+    graph_min_per_step: float = 0.5
+    graph_min_growth: int = 50
+    graph_min_censuses: int = 4
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a 
 
 The leak is estimated as the fitted slope (bytes per step), dated from the first step the
 memory rose above its starting level. The tensor census, when it grows too, points at the cause.
+
+A kept loss whose graph backward() already freed costs only KBs a step: memory hides it for
+thousands of steps. So when memory shows no leak, a census count of tensors holding an autograd
+graph that grows along a straight line (`graph_min_per_step`, `graph_min_growth`,
+`graph_min_censuses`) is reported as one too ("+1 scalar tensor with a graph per step").
 """
 
 from __future__ import annotations
@@ -63,7 +68,60 @@ def detect(rt: RankTrace, cfg: MemoryLeakConfig) -> list[Finding]:
         if f is not None:
             findings.append(f)
             break  # a device leak shows in RSS too (pinned buffers); report the most direct one
+    if not findings:
+        f = _graphs_kept(rt, steps, steps_df["rss_bytes"].to_numpy(dtype=float), cfg)
+        if f is not None:
+            findings.append(f)
     return findings
+
+
+def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
+    """Tensors holding an autograd graph pile up step after step, while memory barely grows yet.
+
+    A loss kept in a list after backward() holds its graph's nodes but not the activations
+    (backward freed them): a few KB a step, lost in the noise of resident memory for thousands
+    of steps, then gigabytes in a long job. The census counts them: a count that grows along a
+    straight line by `graph_min_per_step` or more, `graph_min_growth` tensors in all over
+    `graph_min_censuses` censuses, is a leak (healthy runs hold a constant few: the current loss).
+    """
+    g = rt.steps["live_tensors_with_graph"].to_numpy(dtype=float)
+    sel = g >= 0
+    if sel.sum() < cfg.graph_min_censuses:
+        return None
+    xs, ys = steps[sel].astype(float), g[sel]
+    growth = float(ys[-1] - ys[0])
+    if growth < cfg.graph_min_growth:
+        return None
+    slope, intercept = np.polyfit(xs, ys, 1)
+    fit = slope * xs + intercept
+    ss_tot = float(((ys - ys.mean()) ** 2).sum())
+    r2 = 1.0 - float(((ys - fit) ** 2).sum()) / ss_tot if ss_tot > 0 else 0.0
+    if slope < cfg.graph_min_per_step or r2 < cfg.min_r2:
+        return None
+    ok = np.isfinite(rss) & (rss >= 0)
+    rss_slope = float(np.polyfit(steps[ok].astype(float), rss[ok], 1)[0]) if ok.sum() >= 2 else float("nan")
+    evidence = {
+        "series": "live_tensors_with_graph",
+        "tensors_with_graph_per_step": float(slope),
+        "tensors_with_graph": [int(ys[0]), int(ys[-1])],
+        "census_steps": [int(xs[0]), int(xs[-1])],
+        "censuses": int(sel.sum()),
+        "r2": float(r2),
+        "rss_bytes_per_step": rss_slope,
+    }
+    group = _growing_group(rt)
+    where: list[str] = []
+    if group is not None and group["graph"]:
+        cause, where = group["cause"], group["modules"]
+        evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
+    else:
+        cause = "A tensor with its graph is kept across iterations."
+    grows = (f"resident memory grows only {rss_slope / 1024:.1f} KiB per step so far"
+             if np.isfinite(rss_slope) else "memory was not measured")
+    summary = (f"Memory leak: tensors holding an autograd graph pile up by {slope:.1f} per step "
+               f"({int(ys[0])} at step {int(xs[0])}, {int(ys[-1])} at step {int(xs[-1])}, census R^2 {r2:.2f}); "
+               f"{grows}, but each kept graph stays until the job ends. {cause}")
+    return Finding(KIND, "warning", int(xs[0]), where, summary, evidence, _ADVICE_GRAPH)
 
 
 def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
