@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 
 from ..analyzer.errors import TraceError
-from ..analyzer.findings import Finding
+from ..analyzer.findings import Finding, first_to_go_wrong
 from ..analyzer.trace import HIST_KINDS, RankTrace
 from . import plots
 from .context import Context, figure, no_figure
@@ -40,8 +40,15 @@ def figures(ctx: Context) -> list[Figure]:
         lower, upper = rt.histogram_bins
     except TraceError:
         return []
-    if not lower.size or not any(len(d[0]) >= 2 for d in data.values()):
-        return []  # "over steps" needs two steps at least (a short run: the default samples step 0 only)
+    if not lower.size or not any(len(d[0]) for d in data.values()):
+        return []
+    if not any(len(d[0]) >= 2 for d in data.values()):
+        # "Over steps" needs two steps at least (a short run: the default samples step 0 only).
+        at = ", ".join(f"{int(x):,}" for x in steps[:5])
+        return [no_figure(ctx.title_rank("Value distributions over steps", rt.rank),
+                          f"Not drawn: the trace holds histograms of weights, gradients and activations at "
+                          f"step {at} only, too few to show a change over steps (histogram_every of the "
+                          f"recorder sets how often they are taken).")]
     n_groups = min(MAX_GROUPS, max(len(d[1]) for d in data.values()))
     labels = ("early", "middle", "late") if n_groups == 3 else ("early", "late") if n_groups == 2 else ("all",)
     for g in range(n_groups):
@@ -50,7 +57,10 @@ def figures(ctx: Context) -> list[Figure]:
             steps, tnames, counts = data[kind]
             if not len(steps) or not tnames:
                 continue
-            chunk = np.array_split(np.arange(len(tnames)), n_groups)[g]
+            # Tensor i of n goes to the group its middle falls in: with fewer tensors than groups (a GRU
+            # and its head), the last one still lands in the late layers.
+            n = len(tnames)
+            chunk = np.flatnonzero(((np.arange(n) + 0.5) * n_groups / n).astype(int) == g)
             if not chunk.size:
                 continue
             names += [tnames[i] for i in chunk]
@@ -61,13 +71,33 @@ def figures(ctx: Context) -> list[Figure]:
         shown = ", ".join(n or "(model)" for n in list(dict.fromkeys(names))[:6])
         more = len(dict.fromkeys(names)) - 6
         title = ctx.title_rank(f"Value distributions over steps: {labels[g]} layers", rt.rank)
-        caption = (f"Histograms of the {labels[g]} layers' weights, gradients and outputs ({shown}"
-                   f"{f' and {more} more' if more > 0 else ''}), summed over the layers, at each sampled step "
-                   f"(at most {HIST_COLS} of them, evenly spread, and those at the findings): "
-                   "share of elements per bin, log colour scale. Rows: fixed bins of signed magnitude (half "
-                   "octaves, the same at every step), with +Inf in a row of its own at the top, -Inf and NaN in "
-                   "the two at the bottom; red cells there mean non-finite values. Dotted lines mark the findings.")
-        out.append(figure(title, caption, plot_histograms, panels, lower, upper, marks=ctx.marks(rank=rt.rank),
+        drawn = sorted({int(x) for _, st, _ in panels for x in st})
+        if len(drawn) <= 8:
+            cols = (f"the histograms at steps {', '.join(f'{x:,}' for x in drawn)}, each drawn until the next "
+                    "(the last to the end of the run)")
+        else:
+            cols = (f"{len(drawn):,} sampled steps from {drawn[0]:,} to {drawn[-1]:,} (at most {HIST_COLS}, "
+                    "evenly spread, and those at the findings)")
+        seen = []  # "weights: NaN in the histograms from step 100 on", per panel and kind of non-finite value
+        for ptitle, st, c in panels:
+            for b, what in ((0, "NaN"), (lower.size - 1, "+Inf"), (1, "-Inf")):
+                hit = np.flatnonzero(c[:, b] > 0)
+                if hit.size:
+                    seen.append(f"{ptitle}: {what} in the histograms from step {int(st[hit[0]]):,} on")
+        nonfinite = bool(seen)
+        marks = ctx.marks(rank=rt.rank)
+        kinds = [t for t, _, _ in panels]
+        kinds = ", ".join(kinds[:-1]) + " and " + kinds[-1] if len(kinds) > 1 else kinds[0]
+        kinds = kinds.replace("activations", "activations (module outputs)")
+        caption = (f"Histograms of the {labels[g]} layers' {kinds}, "
+                   f"each summed over its tensors ({shown}{f' and {more} more' if more > 0 else ''}). Columns: {cols}; "
+                   "colour: share of the elements in each bin (log scale). Rows: fixed bins of signed magnitude "
+                   "(half octaves, the same at every step); exact zeros, +Inf (top), -Inf and NaN (bottom) have "
+                   "taller rows of their own" +
+                   (f"; red cells there mark non-finite values ({'; '.join(seen)})." if nonfinite
+                    else " (empty here: no NaN or Inf).") +
+                   (" Dotted lines mark the findings." if marks else ""))
+        out.append(figure(title, caption, plot_histograms, panels, lower, upper, marks=marks,
                           end=int(rt.step_index[-1]) + 1 if rt.n_steps else None, height_in=3.2))
     return out
 
@@ -112,6 +142,10 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         keep[inner.min():inner.max() + 1] = True
     keep |= special
     rows = order[keep] if used.size else order
+    # The special rows (+Inf, zero, -Inf, NaN) drawn taller than a magnitude bin, so that a tensor
+    # gone NaN, or gradients that are all exactly zero, are seen at a glance.
+    heights = np.array([max(1.0, 0.05 * len(rows)) if _is_special(b, lower, upper) else 1.0 for b in rows])
+    y_edges = np.concatenate([[0.0], np.cumsum(heights)])
     for ax_, (title, steps, counts) in zip(axes, panels):
         edges = plots.bucket_edges(len(steps), HIST_COLS)
         summed = np.add.reduceat(counts, edges[:-1], axis=0)
@@ -127,7 +161,6 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         gap = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
         last = steps[-1] + (min(gap, end - steps[-1]) if end is not None and end > steps[-1] else gap)
         x_edges = np.append(steps[edges[:-1]], last).astype(np.float64)
-        y_edges = np.arange(len(rows) + 1) - 0.5
         extent = (float(x_edges[0]), float(x_edges[-1]))
         cmap = plots.matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
         with warnings.catch_warnings():
@@ -138,7 +171,7 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
             if bad.any():
                 ax_.pcolormesh(x_edges, y_edges, np.ma.masked_where(~bad, np.ones_like(values)),
                                cmap=plots.ListedColormap([plots.NONFINITE_COLOR]), vmin=0, vmax=1, shading="flat")
-        ax_.set_ylim(len(rows) - 0.5, -0.5)
+        ax_.set_ylim(y_edges[-1], y_edges[0])
         ax_.grid(False)
         ax_.set_title(title)
         ax_.set_xlabel("step")
@@ -146,23 +179,64 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
             ax_.axvline(step, color=plots.SEVERITY_COLORS.get(severity, "gray"), ls=":", lw=1.4)
         ax_.set_xlim(extent[0], extent[1])
         plots._step_ticks(ax_)
-    fixed = [r for r, b in enumerate(rows) if b in (0, 1, lower.size - 1) or lower[b] < 0 < upper[b]]
-    step = max(4, len(rows) // 10)
-    ticks = sorted(set(fixed) | {r for r in range(0, len(rows), step) if min(abs(r - t) for t in fixed) > step // 2})
-    labels = [_bin_label(lower[rows[r]], upper[rows[r]], rows[r]) for r in ticks]
-    # The two bottom rows (-Inf, NaN) are too close for two labels: one label between them.
-    if len(ticks) >= 2 and labels[-2:] == ["-Inf", "NaN"]:
-        ticks, labels = ticks[:-2] + [ticks[-1] - 0.5], labels[:-2] + ["-Inf, NaN"]
-    axes[0].set_yticks(ticks)
+    centers = (y_edges[:-1] + y_edges[1:]) / 2
+    ticks, labels = _row_ticks(rows, lower, upper, heights)
+    axes[0].set_yticks([float(centers[r]) for r in ticks])
     axes[0].set_yticklabels(labels, fontsize=6)
+    sm = plots.matplotlib.cm.ScalarMappable(norm=plots.matplotlib.colors.Normalize(-6, 0),
+                                            cmap=plots.matplotlib.colormaps["viridis"])
+    cb = fig.colorbar(sm, ax=list(axes), fraction=0.025, pad=0.01, aspect=30)
+    cb.set_ticks([-6, -4, -2, 0])
+    cb.set_ticklabels(["1e-6", "1e-4", "0.01", "1"], fontsize=6)
+    cb.set_label("share of elements", fontsize=7)
+
+
+def _is_special(b: int, lower: np.ndarray, upper: np.ndarray) -> bool:
+    """The rows always shown: NaN, -Inf, +Inf and the bin around zero."""
+    return b in (0, 1, lower.size - 1) or bool(lower[b] < 0 < upper[b])
+
+
+def _row_ticks(rows, lower: np.ndarray, upper: np.ndarray, heights: np.ndarray):
+    """Labelled rows: the special ones, and the bins holding a power of ten (every k-th decade so
+    that about ten are labelled), away from the special rows."""
+    fixed = [r for r, b in enumerate(rows) if _is_special(b, lower, upper)]
+    decades = []
+    for r, b in enumerate(rows):
+        lo, hi = float(lower[b]), float(upper[b])
+        if _is_special(b, lower, upper) or not (np.isfinite(lo) and np.isfinite(hi)) or lo == 0 or hi == 0:
+            continue
+        mag_lo, mag_hi = (lo, hi) if lo > 0 else (-hi, -lo)
+        k = int(np.ceil(np.log10(mag_lo)))
+        if mag_lo <= 10.0 ** k < mag_hi:
+            decades.append((r, k, "+" if lo > 0 else "-"))
+    stride = max(1, int(np.ceil(len(decades) / 10)))
+    pos = np.concatenate([[0.0], np.cumsum(heights)])
+    centers = (pos[:-1] + pos[1:]) / 2
+    room = 0.055 * pos[-1]  # a label's height, in rows
+    ticks = {r: _bin_label(lower[rows[r]], upper[rows[r]], rows[r]) for r in fixed}
+    for r, k, sign in decades:
+        if k % stride or min(abs(centers[r] - centers[t]) for t in fixed) < room:
+            continue
+        ticks[r] = sign + ("1" if k == 0 else "10" if k == 1 else f"1e{k}")
+    order = sorted(ticks)
+    # The two bottom rows (-Inf, NaN): one label between them where they are too close for two.
+    if (len(order) >= 2 and [ticks[r] for r in order[-2:]] == ["-Inf", "NaN"]
+            and centers[order[-1]] - centers[order[-2]] < room):
+        ticks.pop(order[-2])
+        ticks[order[-1]] = "-Inf, NaN"
+        order = order[:-2] + [order[-1]]
+    return order, [ticks[r] for r in order]
 
 
 # -- one layer's weights before and after the first finding ---------------------------------------
+# Findings about memory or time, not about the values of the weights: no before/after picture.
+NOT_ABOUT_WEIGHTS = ("memory_leak", "out_of_memory", "slow_steps", "dataloader_bottleneck", "host_device_copies")
+
+
 def _finding(ctx: Context, rt: RankTrace) -> Finding | None:
-    for f in ctx.findings:
-        if f.step is not None and f.severity in ("error", "warning") and f.rank in (None, rt.rank):
-            return f
-    return None
+    """The first problem in time (as the verdict names it) among those about the weights' values."""
+    return first_to_go_wrong([f for f in ctx.findings if f.rank in (None, rt.rank)
+                              and f.kind not in NOT_ABOUT_WEIGHTS])
 
 
 def _values(rt: RankTrace, source: str, step: int, name: str) -> np.ndarray | None:
@@ -188,11 +262,17 @@ def _snapshot_figure(ctx: Context, rt: RankTrace) -> Figure | None:
         return None
     title = ctx.title_rank("Weights before and after the first finding", rt.rank)
     # The layer: the first weight the finding names (a module's own weight), else the largest.
-    candidates = [w for w in f.where if w in rt.param_names] + [f"{w}.weight" for w in f.where
-                                                                if f"{w}.weight" in rt.param_names]
+    # A bias the finding names stands for its layer: its weight comes first (a handful of bias values
+    # makes no distribution to look at).
+    candidates = []
+    for w in f.where:
+        for c in ((w[:-len("bias")] + "weight", w) if w.endswith(".bias") else (w, f"{w}.weight")):
+            if c in rt.param_names and c not in candidates:
+                candidates.append(c)
     weights = ctx.weights(rt)
-    name = candidates[0] if candidates else (max(weights, key=lambda n: rt.param_numel[rt.param_names.index(n)])
-                                             if weights else None)
+    numel = lambda n: rt.param_numel[rt.param_names.index(n)]  # noqa: E731
+    name = (next((c for c in candidates if numel(c) >= 16), candidates[0]) if candidates else
+            max(weights, key=numel) if weights else None)
     if name is None:
         return None
     # Every stored copy of the parameters: the snapshots, and the black box's (the start of the
@@ -216,11 +296,27 @@ def _snapshot_figure(ctx: Context, rt: RankTrace) -> Figure | None:
         return no_figure(title, f"The snapshots could not be read ({e}).")
     if not series:
         return None
-    caption = (f"Distribution of the values of {name} at the stored parameters nearest before and after the "
+    same = ""
+    if len(series) == 2 and series[0][1].shape == series[1][1].shape:
+        a, b = series[0][1], series[1][1]
+        ok = np.isfinite(a) & np.isfinite(b)
+        if ok.all():
+            change = float(np.max(np.abs(b - a))) if a.size else 0.0
+            scale = float(np.max(np.abs(a))) if a.size else 0.0
+            if change <= 1e-3 * scale:
+                same = (" The two outlines coincide: not one element changed." if change == 0 else
+                        " The two outlines coincide: no element changed by more than "
+                        f"{change:.2g} (the largest |value| is {scale:.2g}).")
+    for label, v in series:
+        if v.size and not np.isfinite(v).any():
+            same += (f" The {label.split(',')[0]} at step {label.rsplit(' ', 1)[-1]} holds no finite value: "
+                     "nothing of it to draw.")
+    why = "" if candidates else " (the finding names no parameter: the largest weight tensor)"
+    caption = (f"Distribution of the values of {name}{why} at the stored parameters nearest before and after the "
                f"{f.kind} finding at step {f.step:,}: share of the elements per value bin (finite values; the "
                "legend gives the share of NaN and Inf, which have no place on the axis)." +
                ("" if len(series) == 2 else " Only one side is stored (snapshots are sparse; the black box "
-                                            "holds the state just before a NaN/Inf)."))
+                                            "holds the state just before a NaN/Inf).") + same)
     return figure(title, caption, plot_value_distribution, series, height_in=2.6)
 
 
@@ -238,15 +334,25 @@ def plot_value_distribution(series, ax) -> None:
     lo, hi = (float(allv.min()), float(allv.max())) if allv.size else (-1.0, 1.0)
     if hi <= lo:
         lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, VALUE_BINS + 1)
+    # Fewer bins for a small tensor, so that its few values still make a shape.
+    n_bins = int(np.clip(2 * np.sqrt(max(f.size for f in finite) if finite else 0), 10, VALUE_BINS))
+    edges = np.linspace(lo, hi, n_bins + 1)
     scales = [float(np.median(np.abs(f))) for f in finite if f.size]
     scales = [x for x in scales if x > 0]
     top = float(np.abs(allv).max()) if allv.size else 0.0
     if scales and top > 100 * min(scales):
         small = min(scales) / 100  # |x| below this shares the bin around zero
-        side = np.geomspace(small, top * 1.0001, VALUE_BINS // 2)
+        side = np.geomspace(small, top * 1.0001, n_bins // 2)
         edges = np.concatenate([-side[::-1], side])
         ax.set_xscale("symlog", linthresh=small)
+        # Ticks at 0 and at every k-th power of ten past the linear part, so that labels never
+        # crowd around zero.
+        k_lo, k_hi = int(np.ceil(np.log10(small))) + 1, int(np.floor(np.log10(top * 1.0001)))
+        if k_hi >= k_lo:
+            stride = max(1, int(np.ceil((k_hi - k_lo + 1) / 5)))
+            ks = list(range(k_hi, k_lo - 1, -stride))
+            ax.set_xticks(sorted([-(10.0 ** k) for k in ks] + [0.0] + [10.0 ** k for k in ks]))
+            ax.xaxis.set_minor_locator(plots.matplotlib.ticker.NullLocator())
     for (label, v), f, color in zip(series, finite, plots.EMPHASIS_COLORS):
         n = max(1, v.size)
         counts, _ = np.histogram(f, bins=edges)
@@ -255,4 +361,4 @@ def plot_value_distribution(series, ax) -> None:
         ax.stairs(counts / n, edges, color=color, lw=1.4, label=f"{label}{extra}")
     ax.set_ylabel("share of elements")
     ax.set_xlabel("value" + (" (log scale either side of zero)" if ax.get_xscale() == "symlog" else ""))
-    ax.legend(loc="upper left", frameon=False)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(series), frameon=False)  # above: no bar hidden

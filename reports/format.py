@@ -12,29 +12,72 @@ from .model import EvidenceRow
 MAX_EVIDENCE_ITEMS = 40
 MAX_EVIDENCE_DEPTH = 3
 MAX_TEXT_CHARS = 4000
+# Records of a list (slow steps, tensor groups) shown one per row, at most this many.
+MAX_RECORDS = 5
 
 
 def evidence_rows(evidence: dict, depth: int = 0) -> list[EvidenceRow]:
     """``[(key, value)]`` where each value is a string or, for a nested dict, rows again."""
     items = list(evidence.items())
-    rows: list[EvidenceRow] = [(str(k), _evidence_value(v, depth)) for k, v in items[:MAX_EVIDENCE_ITEMS]]
+    rows: list[EvidenceRow] = [(str(k), _evidence_value(v, depth, str(k))) for k, v in items[:MAX_EVIDENCE_ITEMS]]
     if len(items) > MAX_EVIDENCE_ITEMS:
         rows.append(("…", f"{len(items) - MAX_EVIDENCE_ITEMS} more entries not shown"))
     return rows
 
 
-def _evidence_value(v, depth: int):
+def _evidence_value(v, depth: int, key: str = ""):
     if isinstance(v, dict) and v and depth < MAX_EVIDENCE_DEPTH:
         return evidence_rows(v, depth + 1)
-    return format_value(v)
+    if (isinstance(v, (list, tuple)) and v and len(v) <= MAX_EVIDENCE_ITEMS and depth < MAX_EVIDENCE_DEPTH - 1
+            and all(isinstance(d, dict) and d for d in v)):
+        # A list of records (the slowest steps, tensor groups): one row each, not one run of braces;
+        # the first MAX_RECORDS (the JSON output holds them all).
+        by_step = all("step" in d for d in v) and len({str(d["step"]) for d in v}) == len(v)
+        rows: list[EvidenceRow] = [((f"step {format_value(d['step'])}" if by_step else f"#{i + 1}"),
+                                    format_value({k: x for k, x in d.items() if not (by_step and k == "step")})[1:-1])
+                                   for i, d in enumerate(v[:MAX_RECORDS])]
+        if len(v) > MAX_RECORDS:
+            rows.append(("…", f"{len(v) - MAX_RECORDS} more (the JSON findings, analyze --json, hold them all)"))
+        return rows
+    return format_value(v, key)
 
 
-def format_value(v) -> str:
-    """A number or small structure as a reader wants it: 4 significant digits, NaN/Inf named."""
+def _is_seconds(key: str, v) -> bool:
+    return (key == "s" or key.endswith("_s")) and isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+
+
+def _seconds(v: float) -> str:
+    v = float(v)
+    if not math.isfinite(v):
+        return format_value(v)
+    return f"{v * 1e3:.3g} ms" if abs(v) < 1 else f"{v:.3g} s"
+
+
+def _is_byte_count(key: str, v) -> bool:
+    return ((key.endswith("bytes") or key.endswith("bytes_per_step")) and isinstance(v, (int, float, np.number))
+            and not isinstance(v, bool) and math.isfinite(v))
+
+
+def _byte_count(v, key: str) -> str:
+    """A byte count as read with its size beside it; -1, the recorder's "not known", named."""
+    per = " per step" if key.endswith("per_step") else ""
+    if v < 0:
+        return "not recorded" if v == -1 else f"{v:.4g} (-{format_bytes(-v)}{per})"
+    exact = f"{int(v):,}" if float(v).is_integer() else f"{v:.4g}"
+    return f"{exact} ({format_bytes(v)}{per})" if v >= 1024 else f"{exact} B{per}"
+
+
+def format_value(v, key: str = "") -> str:
+    """A number or small structure as a reader wants it: 4 significant digits, NaN/Inf named;
+    a count of bytes (``key`` ending in "bytes") with its size in KiB/MiB/GiB."""
     if isinstance(v, np.generic):
         v = v.item()
     if v is None:
         return "-"
+    if _is_byte_count(key, v):
+        return _byte_count(v, key)
+    if _is_seconds(key, v):
+        return _seconds(v)
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
@@ -48,7 +91,7 @@ def format_value(v) -> str:
         more = f", … ({len(v)} items)" if len(v) > MAX_EVIDENCE_ITEMS else ""
         return f"[{shown}{more}]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {format_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {format_value(x, str(k))}" for k, x in v.items()) + "}"
     text = str(v)
     return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + " …(truncated)"
 

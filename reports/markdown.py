@@ -92,9 +92,14 @@ def _blackbox_line(trace: Trace) -> str:
         return ""
     rt, row, rank = fired
     when = "before the bad update" if row["params_at"] == "start_of_step" else "after the step's update"
+    # The run's own directory, so that the command pastes as it is (a placeholder if a backtick or a
+    # line break would break the code span).
+    run = shlex.quote(trace.run_dir)
+    if "`" in run or "\n" in run or len(run) > 200:
+        run = "RUN_DIR"
     return (f"**Black box:** rank {rt.rank}, step {int(row['step']):,} ({md_text(row['trigger'], 40)}): "
             f"parameters {when} and that step's inputs are in the trace; "
-            f"`torchautopsy export RUN_DIR{rank} --params blackbox params.safetensors --tensors blackbox "
+            f"`torchautopsy export {run}{rank} --params blackbox params.safetensors --tensors blackbox "
             f"inputs.safetensors`")
 
 

@@ -200,6 +200,10 @@ class _Doc(FPDF):
                 self._heading("Advice", 3, room=14)
                 self._text(f.advice, size=9.5)
             if f.evidence:
+                # A short evidence table is not split: a few rows alone on the next page read badly.
+                need = 12 + self._kv_height(f.evidence)
+                if self.will_page_break(need) and need < 0.5 * (self.h - 2 * MARGIN):
+                    self.add_page()
                 self._heading("Evidence", 3, room=14)
                 self._kv(f.evidence)
             self.ln(4)
@@ -220,6 +224,11 @@ class _Doc(FPDF):
         self.cell(0, 6, title + (f"  ·  rank {f.rank}" if f.rank is not None else ""),
                   new_x=XPos.LMARGIN, new_y=YPos.NEXT)
         self.ln(1.5)
+
+    def _kv_height(self, rows: list[EvidenceRow]) -> float:
+        """About how tall _kv draws ``rows``, in mm (wrapped lines counted: ~70 mono characters
+        fit on a line of the value column, ~45 of the key column)."""
+        return sum(3.6 * max(1, -(-len(value) // 70), -(-len(key) // 45)) + 0.9 for key, value in _flatten(rows))
 
     def _kv(self, rows: list[EvidenceRow]) -> None:
         flat = list(_flatten(rows))
