@@ -185,8 +185,8 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
         out.append(("Parameter snapshots", True,
                     f"{len(snaps)}: {_listing(snaps['step'], 'the parameters')} ({_size(nbytes)} in all"
                     + ("" if dtype == "exact" else f", floats as {dtype}")
-                    + f"; every {cfg.get('snapshot_every', '?')} steps, the oldest but the first dropped past "
-                      "snapshot_budget_bytes) — torchautopsy export RUN_DIR --params STEP|last OUT.safetensors"))
+                    + f"; one every {cfg.get('snapshot_every', '?')} steps; past snapshot_budget_bytes the oldest "
+                      "is dropped, never the first) — torchautopsy export RUN_DIR --params STEP|last OUT.safetensors"))
     elif rt.meta.get("snapshot_note"):
         out.append(("Parameter snapshots", False, f"none: {rt.meta['snapshot_note']}"))
     else:
@@ -218,7 +218,8 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
         when = {"start_of_step": "before the bad update", "end_of_step": "after the step's update",
                 "at_exit": "at exit"}.get(str(row["params_at"]), str(row["params_at"]))
         out.append(("Black box", True, f"fired at step {step:,} ({row['trigger']}); parameters {when}; "
-                    f"tensors: {counts} — torchautopsy export RUN_DIR --params blackbox / --tensors blackbox"))
+                    f"tensors: {counts} — torchautopsy export RUN_DIR --params blackbox params.safetensors "
+                    "--tensors blackbox inputs.safetensors"))
     else:
         on = cfg.get("blackbox")
         out.append(("Black box", False, "armed, never fired (no NaN/Inf, exception or SIGTERM)" if on
