@@ -126,12 +126,15 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
             parts.append(f"{int(died.sum())} died during training, the first between steps {lo} "
                          f"and {int(died_at.min())}")
         summary += f": {', '.join(parts)}." if parts else "."
+        step = first_cross[j] if first_cross[j] >= 0 else start
+        if died.any() and step > int(died_at.min()):
+            # Units die one by one; the finding dates when the dead share reached the threshold.
+            summary += f" At least {cfg.warning_share:.0%} of the units have been dead since step {step}."
         if fn == "leaky_relu":
             summary += f" Their gradient is scaled by the slope {row.param:g}."
         advice = _ADVICE_DIED if died.sum() >= from_init.sum() else _ADVICE_INIT
         if from_init.any() and died.any():
             advice = _ADVICE_DIED + " " + _ADVICE_INIT
-        step = first_cross[j] if first_cross[j] >= 0 else start
         findings.append(Finding(KIND, severity, int(step), where, summary, evidence, advice))
     return findings
 

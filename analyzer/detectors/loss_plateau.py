@@ -94,7 +94,8 @@ def detect(rt: RankTrace, cfg: LossPlateauConfig) -> list[Finding]:
     since = "from the start" if s < n_edge else f"since step {int(steps[s])}"
     overall = (f"; over the whole run it went from {first:.4g} to {level:.4g}"
                + (f" ({(level - first) / abs(first):+.0%})" if first != 0 else ""))
-    grads = (f", while the gradients are non-zero (median total norm {grad_median:.3g})"
+    grads = (f", while the gradients are not zero (median norm of all of them together, biases included: "
+             f"{grad_median:.3g})"
              if grad_median is not None else "")
     summary = (f"The loss has plateaued at {level:.4g} {since} ({len(loss) - s:,} steps): over steps "
                f"{int(steps[t0])}-{int(steps[-1])} it changed by {-change:+.1%}{grads}{overall}.")
