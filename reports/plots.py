@@ -264,10 +264,13 @@ def plot_memory(series: dict[str, tuple[np.ndarray, np.ndarray]], ax, *, fit: Li
 
 def plot_stacked(x: np.ndarray, layers: dict[str, np.ndarray], ax, *, ylabel: str,
                  colors: Sequence[str] = (), hlines=(), points: tuple[np.ndarray, np.ndarray] | None = None,
-                 points_label: str = "", marks: Sequence[Mark] = (), xspan=None) -> None:
+                 points_label: str = "", marks: Sequence[Mark] = (), xspan=None,
+                 ymax: float | None = None) -> None:
     """Layers stacked over steps (the phases of a step). Long runs are bucketed: each layer's mean
     per bucket (areas stay true), and the largest total of each bucket drawn as a thin line on
-    top, so a slow step is never averaged away. ``points``: (steps, values) marked with crosses."""
+    top, so a slow step is never averaged away. ``points``: (steps, values) marked with crosses.
+    ``ymax``: cut the axis there (so one huge step does not flatten the rest); points above it are
+    drawn on the top edge as triangles with their value."""
     x = np.asarray(x, dtype=float)
     ys = np.stack([np.nan_to_num(np.asarray(v, dtype=float), nan=0.0) for v in layers.values()])
     total = ys.sum(axis=0)
@@ -283,13 +286,25 @@ def plot_stacked(x: np.ndarray, layers: dict[str, np.ndarray], ax, *, ylabel: st
     if peak is not None:
         ax.plot(x, peak, color="#424242", lw=0.6, label="slowest step in each bucket")
     if points is not None and len(points[0]):
-        ax.scatter(points[0], points[1], marker="x", s=24, color=NONFINITE_COLOR, zorder=5,
+        px, py = np.asarray(points[0], dtype=float), np.asarray(points[1], dtype=float)
+        over = py > ymax if ymax is not None else np.zeros(len(py), dtype=bool)
+        ax.scatter(px[~over], py[~over], marker="x", s=24, color=NONFINITE_COLOR, zorder=5,
                    label=_label(points_label))
+        if over.any():
+            ax.scatter(px[over], np.full(over.sum(), ymax * 0.97), marker="^", s=30, color=NONFINITE_COLOR,
+                       zorder=5, clip_on=False, label=_label(f"{points_label} (off the scale)"))
+            right = float(np.nanmax(x)) if len(x) else 0.0
+            left = float(np.nanmin(x)) if len(x) else 0.0
+            for x_, y_ in zip(px[over], py[over]):
+                near_end = x_ > left + 0.9 * (right - left)  # label to the left, clear of the legend
+                ax.annotate(f"{y_:,.0f}", (x_, ymax * 0.97), xytext=(-4 if near_end else 4, -9),
+                            textcoords="offset points", fontsize=7, color=NONFINITE_COLOR,
+                            ha="right" if near_end else "left")
     for y, label, color, style in hlines:
         ax.axhline(y, color=color, ls=style, lw=1.1, label=_label(label))
     _mark_steps(ax, marks)
     _step_axis(ax, xspan, [x], "step")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=ymax)
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
 

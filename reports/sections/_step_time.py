@@ -26,7 +26,7 @@ def timed(rt: RankTrace) -> bool:
 
 
 def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, hlines=(), points=None,
-                     points_label: str = "", marks=()) -> Figure:
+                     points_label: str = "", marks=(), ymax: float | None = None) -> Figure:
     if rt.n_steps == 0 or not timed(rt):
         return no_figure(title, "Step phases were not timed in this trace (recorded by torchautopsy "
                                 "0.1.0 or later).")
@@ -35,4 +35,4 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
     layers = {PHASE_NAMES[p]: t[:, k] * 1e3 for k, p in enumerate(PHASES)}
     return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=COLORS,
                   hlines=hlines, points=points, points_label=points_label, marks=marks,
-                  xspan=ctx.span(rt))
+                  xspan=ctx.span(rt), ymax=ymax)

@@ -34,5 +34,13 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     caption = (f"Time of each step (host clock) split into the phases the recorder times ({phase_list()}), "
                f"stacked, in ms. Crosses: the slowest steps the finding lists; above the red line a step "
                f"counts as slow.")
+    # One step 100x the median would flatten every other step against the axis: the axis stops
+    # at 4x the slow line, and steps beyond it are drawn on the top edge with their time.
+    ymax = None
+    if isinstance(median, (int, float)) and median > 0 and len(points[1]) and \
+            points[1].max() > 4 * ratio * median * 1e3:
+        ymax = 4 * ratio * median * 1e3
+        caption += (f" The axis stops at {ymax:,.0f} ms; triangles on its top edge are slower steps, "
+                    f"labelled with their time in ms.")
     return step_time_figure(ctx, rt, ctx.title_rank("Step time by phase", f.rank), caption,
-                            hlines=hlines, points=points, points_label="slowest steps")
+                            hlines=hlines, points=points, points_label="slowest steps", ymax=ymax)
