@@ -1,136 +1,25 @@
-"""Read a run directory of torchautopsy traces (one ``rank{N}.h5`` per rank).
-
-This is the only place that knows the file layout (docs/trace_format.md) and its versions.
-It never imports torch, never unpickles, and never executes anything from a trace.
-
-    run = load("runs/exp1")
-    rt = run.ranks[0]
-    rt.steps                      # DataFrame, one row per step: loss, time, memory, ...
-    rt.param_stat("grad_norm")    # DataFrame, steps x parameter names (the whole run)
-    rt.param_stat("grad_norm", rows=slice(-100, None))   # only the last 100 steps
-    for start, block in rt.blocks("params/grad_norm"): ...  # the whole run, a block at a time
-
-The analyzer streams: a steps x tensors statistic of a long run (a million steps x 200 tensors is
-800 MB a statistic) is never read whole. Detectors and reports read it in blocks of rows
-(``blocks``), read the rows they need (``rows=``), or use the per-step digest (``digest``, one
-pass over the parameter statistics); memory is bounded by the number of tensors, plus a few
-bytes per step for the 1-D per-step series.
-"""
+"""One rank's trace (``rank{N}.h5``), read lazily: the per-step tables, the sampled ones, the
+windows and sites, and the per-step digest."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
-import re
-import zlib
 from functools import cached_property
 
-import h5py
 import numpy as np
 import pandas as pd
 
-from .errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
-
-SCHEMA_VERSION = 1
-FORMAT_NAME = "torchautopsy-trace"
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-_RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
-
-PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
-MODULE_STATS = ("output_absmax",)
-ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
-HIST_KINDS = ("weight", "grad", "activation")
-# Tables written once per step: their rows line up, one per step.
-_PER_STEP_TABLES = {"steps": ("step",), "params": PARAM_STATS, "modules": MODULE_STATS}
+from ..errors import SchemaVersionError, TraceFormatError
+from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
+                     _PER_STEP_TABLES, _attr, _open, _strings, _texts)
+from .memory_tables import MemoryTables
+from .stored_tensors import StoredTensors
+from .streaming import _WINDOWS_PER_READ, StepDigest, _gather, _row_selection, _width, block_rows
 
 
-def _open(path: str) -> h5py.File:
-    """Open a trace read-only, also one whose writer was killed (SWMR-mode file left open)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) < 8:
-        raise TraceFormatError(f"{path} is empty or truncated ({os.path.getsize(path)} bytes); "
-                               "it holds no trace")
-    if head != _HDF5_SIGNATURE:
-        raise TraceFormatError(f"{path} is not an HDF5 file, so not a torchautopsy trace; "
-                               "point at the run directory written by Recorder(model, run_dir)")
-    try:
-        return h5py.File(path, "r")
-    except OSError as plain:
-        message = str(plain)
-    # A killed writer leaves its "open for write" flag set; SWMR readers accept that. Only then
-    # do we retry in SWMR mode: on a damaged file an SWMR reader retries reads for a long time.
-    if "already open for write" in message:
-        try:
-            return h5py.File(path, "r", swmr=True)
-        except OSError as e:
-            message = str(e)
-    reason = message.split("(", 1)[-1].rstrip(")") if "(" in message else message
-    raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
-                           "copy it again from the job's run directory")
-
-
-def _attr(v):
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
-def _texts(values) -> list[str]:
-    """UTF-8 strings as h5py returns them (bytes, or str) to str."""
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values]
-
-
-def _strings(ds) -> list[str]:
-    return _texts(ds[()])
-
-
-# A block of rows read at a time holds about this many values (8 MB as float64), whatever the
-# width of the table: wide enough for numpy to be fast, small enough to bound memory.
-_BLOCK_VALUES = 1 << 20
-
-
-# Activity windows read at a time (each is a few KB of bits).
-_WINDOWS_PER_READ = 256
-
-
-def block_rows(width: int) -> int:
-    """Rows per block for a table ``width`` values wide."""
-    return int(np.clip(_BLOCK_VALUES // max(int(width), 1), 256, 1 << 17))
-
-
-def _row_selection(rows, n: int) -> np.ndarray | slice:
-    """A slice stays a slice (clipped to the n rows present); anything else becomes sorted
-    unique row indices, negative ones counted from the end."""
-    if isinstance(rows, slice):
-        return slice(*rows.indices(n))
-    idx = np.asarray(rows, dtype=np.int64).ravel()
-    idx = np.where(idx < 0, idx + n, idx)
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"row index out of range (the table has {n} rows)")
-    return np.unique(idx)
-
-
-class StepDigest:
-    """Per-step 1-D series computed in one pass over the parameter statistics.
-
-    total_grad_norm    L2 norm of all gradients together (NaN: no gradient; Inf/NaN when one was)
-    grad_nonfinite     some gradient held NaN/Inf (counts, not norms: an Inf norm may be overflow)
-    grad_absent        no parameter had a gradient (every norm NaN, none counted non-finite)
-    param_nonfinite    some weight norm was NaN/Inf (the weights themselves went non-finite)
-    """
-
-    def __init__(self, n: int):
-        self.total_grad_norm = np.full(n, np.nan)
-        self.grad_nonfinite = np.zeros(n, dtype=bool)
-        self.grad_absent = np.ones(n, dtype=bool)
-        self.param_nonfinite = np.zeros(n, dtype=bool)
-
-
-class RankTrace:
+class RankTrace(MemoryTables, StoredTensors):
     """One rank's trace, read lazily; every DataFrame it returns is read-only."""
 
     def __init__(self, path: str):
@@ -437,76 +326,6 @@ class RankTrace:
         except (KeyError, OSError, ValueError, EOFError) as e:
             raise TraceFormatError(f"{self.path}: profiler window {window} cannot be read ({e})") from None
 
-    # -- CUDA allocator snapshots and out-of-memory events (optional tables) --------------------
-    @cached_property
-    def memory_snapshots(self) -> pd.DataFrame:
-        """CUDA allocator snapshots: snapshot, step, reason (schedule, peak, oom, exception),
-        time_s, device, allocated_bytes, reserved_bytes, n_device_traces, allocator_settings
-        (JSON text), keys. Empty for CPU runs and older traces."""
-        cols = ("snapshot", "step", "reason", "time_s", "device", "allocated_bytes", "reserved_bytes",
-                "n_device_traces", "allocator_settings", "keys")
-        return self._texts_table("memory_snapshots", cols, ("reason", "allocator_settings"))
-
-    def memory_snapshot_rows(self, snapshot: int) -> dict[str, pd.DataFrame]:
-        """One snapshot's rows: {"segments", "blocks", "trace"} DataFrames, in recorded order
-        (columns as docs/trace_format.md lists them; ``stack`` indexes memory_stack)."""
-        tables = {
-            "segments": ("memory_segments", ("snapshot", "device", "address", "total_size", "allocated_size",
-                                             "active_size", "requested_size", "stream", "segment_type", "pool_a",
-                                             "pool_b", "is_expandable", "stack", "keys", "extra"), ("segment_type", "extra")),
-            "blocks": ("memory_blocks", ("snapshot", "segment", "address", "size", "requested_size", "state",
-                                         "stack", "keys", "extra"), ("state", "extra")),
-            "trace": ("memory_trace", ("snapshot", "device", "action", "addr", "device_free", "size", "stream",
-                                       "time_us", "compile_context", "user_metadata", "stack", "keys", "extra"),
-                      ("action", "compile_context", "user_metadata", "extra")),
-        }
-        out = {}
-        for key, (table, cols, texts) in tables.items():
-            t = self._table(table, cols)
-            sel = np.flatnonzero(np.asarray(t["snapshot"]) == snapshot)
-            df = pd.DataFrame({c: np.asarray(t[c])[sel] for c in cols})
-            for c in texts:
-                df[c] = _texts(df[c])
-            out[key] = df.reset_index(drop=True)
-        return out
-
-    @cached_property
-    def _memory_stacks(self) -> tuple[list[dict], np.ndarray, np.ndarray, np.ndarray]:
-        f = self._texts_table("memory_frames", ("filename", "line", "name", "keys", "extra"),
-                              ("filename", "name", "extra"))
-        frames = [{"filename": a, "line": int(b), "name": c, "keys": int(k), "extra": x}
-                  for a, b, c, k, x in zip(f["filename"], f["line"], f["name"], f["keys"], f["extra"])]
-        st = self._table("memory_stacks", ("first", "length"))
-        sf = self._table("memory_stack_frames", ("frame",))
-        return frames, np.asarray(st["first"], dtype=np.int64), np.asarray(st["length"], dtype=np.int64), \
-            np.asarray(sf["frame"], dtype=np.int64)
-
-    def memory_stack(self, stack: int) -> list[dict] | None:
-        """The frames of a stack (dicts with filename, line, name, and ``keys``: which of those
-        the snapshot had), innermost first as PyTorch records them; None for stack -1."""
-        frames, first, length, sf = self._memory_stacks
-        if stack < 0 or stack >= len(first):
-            return None
-        ids = sf[first[stack]:first[stack] + length[stack]]
-        return [frames[i] for i in ids if 0 <= i < len(frames)]
-
-    @cached_property
-    def oom_events(self) -> pd.DataFrame:
-        """Times memory ran out: step, time_s, source (observer: the CUDA allocator's; exception:
-        an out-of-memory error left the Recorder's with-block), device, requested_bytes,
-        device_allocated_bytes, device_reserved_bytes, device_free_bytes, device_total_bytes (-1:
-        unknown), rss_bytes, snapshot, message, raised_at."""
-        cols = ("step", "time_s", "source", "device", "requested_bytes", "device_allocated_bytes",
-                "device_reserved_bytes", "device_free_bytes", "device_total_bytes", "rss_bytes", "snapshot",
-                "message", "raised_at")
-        return self._texts_table("oom_events", cols, ("source", "device", "message", "raised_at"))
-
-    @cached_property
-    def oom_tensor_groups(self) -> pd.DataFrame:
-        """The tensor census taken when memory ran out: event, device, dtype, shape, graph, count, bytes."""
-        cols = ("event", "device", "dtype", "shape", "graph", "count", "bytes")
-        return self._texts_table("oom_tensor_groups", cols, ("device", "dtype", "shape"))
-
     @cached_property
     def digest(self) -> StepDigest:
         """Per-step series over all parameters, from one streaming pass (see StepDigest)."""
@@ -531,133 +350,6 @@ class RankTrace:
         for arr in vars(d).values():
             arr.flags.writeable = False
         return d
-
-    # -- stored tensors: snapshots, samples, the black box (docs/trace_format.md) --------------
-    @cached_property
-    def stored_tensors(self) -> pd.DataFrame:
-        """One row per stored tensor: source (snapshot | sample | blackbox), step, name, role,
-        dtype, shape (tuple), location (blobs | snapshots), offset, nbytes. Snapshot rows whose
-        slot was reused since are still listed; ``snapshots`` says which are kept."""
-        cols = ("source", "step", "name", "role", "dtype", "shape", "location", "offset", "nbytes")
-        df = self._texts_table("tensors", cols, ("source", "name", "role", "dtype", "shape", "location"))
-        shapes = []
-        for text in df["shape"]:
-            try:
-                shape = tuple(int(v) for v in json.loads(text))
-            except (TypeError, ValueError, json.JSONDecodeError):
-                raise TraceFormatError(f"{self.path}: a stored tensor has a bad shape {text[:40]!r}") from None
-            shapes.append(shape)
-        df["shape"] = shapes
-        return df
-
-    @cached_property
-    def snapshots(self) -> pd.DataFrame:
-        """The parameter snapshots the trace still holds, oldest first: step, slot, offset,
-        nbytes, crc32, dtype ("exact" or the half precision floats were stored in). A slot holds
-        the snapshot of its latest row (older ones were overwritten to keep the disk budget)."""
-        cols = ("step", "slot", "offset", "nbytes", "crc32", "dtype")
-        df = self._texts_table("snapshots", cols, ("dtype",))
-        if not len(df):
-            return df
-        df = df.drop_duplicates("slot", keep="last")
-        t = self.stored_tensors
-        have = set(t.loc[(t["source"] == "snapshot"), "step"].astype(int))
-        df = df[df["step"].astype(int).isin(have)]
-        return df.sort_values("step").reset_index(drop=True)
-
-    @cached_property
-    def blackbox(self) -> pd.DataFrame:
-        """The black box, if it fired: step, trigger, params_at (start_of_step: before the bad
-        update; end_of_step: after it; at_exit), detail (dict)."""
-        df = self._texts_table("blackbox", ("step", "trigger", "params_at", "detail"),
-                               ("trigger", "params_at", "detail"))
-        details = []
-        for text in df["detail"]:
-            try:
-                d = json.loads(text)
-            except (TypeError, json.JSONDecodeError):
-                d = {}
-            details.append(d if isinstance(d, dict) else {})
-        df["detail"] = details
-        return df
-
-    def tensors_of(self, source: str, step: int) -> pd.DataFrame:
-        """The stored tensors of one snapshot, sample step or black box (rows of stored_tensors)."""
-        t = self.stored_tensors
-        rows = t[(t["source"] == source) & (t["step"] == step)]
-        if source == "snapshot":
-            snap = self.snapshots[self.snapshots["step"] == step]
-            if snap.empty:
-                return rows.iloc[0:0]
-            lo, n = int(snap["offset"].iloc[-1]), int(snap["nbytes"].iloc[-1])
-            rows = rows[(rows["location"] == "snapshots") & (rows["offset"] >= lo) & (rows["offset"] + rows["nbytes"] <= lo + n)]
-            rows = rows.drop_duplicates("name", keep="last")
-        return rows.reset_index(drop=True)
-
-    def read_tensor_bytes(self, rows: pd.DataFrame, verify_snapshot: int | None = None) -> list[bytes]:
-        """The raw bytes of stored tensors (rows of stored_tensors), in order; with
-        ``verify_snapshot`` (a step), first check that snapshot's slot against its crc32."""
-        out = []
-        try:
-            with _open(self.path) as f:
-                if verify_snapshot is not None:
-                    snap = self.snapshots[self.snapshots["step"] == verify_snapshot].iloc[-1]
-                    lo, n = int(snap["offset"]), int(snap["nbytes"])
-                    slot = f["snapshots/bytes"][lo:lo + n].tobytes()
-                    if len(slot) != n or (zlib.crc32(slot) & 0xFFFFFFFF) != (int(snap["crc32"]) & 0xFFFFFFFF):
-                        raise TraceFormatError(
-                            f"{self.path}: the snapshot of step {verify_snapshot} is incomplete (the job was "
-                            "killed while its slot was being rewritten)")
-                for loc, off, n in zip(rows["location"], rows["offset"], rows["nbytes"]):
-                    ds = f["snapshots/bytes" if loc == "snapshots" else "blobs/bytes"]
-                    data = ds[int(off):int(off) + int(n)].tobytes()
-                    if len(data) != int(n):
-                        raise TraceFormatError(f"{self.path}: a stored tensor is cut short "
-                                               f"({len(data)} of {int(n)} bytes present)")
-                    out.append(data)
-        except (KeyError, OSError, ValueError) as e:
-            raise TraceFormatError(f"{self.path}: stored tensors cannot be read ({e})") from None
-        return out
-
-    @cached_property
-    def histogram_bins(self) -> tuple[np.ndarray, np.ndarray]:
-        """(lower, upper) edges of the histogram bins (NaN bin: NaN, NaN; -Inf and +Inf bins:
-        -inf and +inf); empty arrays in traces without histograms."""
-        if not self._has("histogram_bins/lower"):
-            return np.zeros(0), np.zeros(0)
-        return self._read("histogram_bins/lower"), self._read("histogram_bins/upper")
-
-    def histograms(self, kind: str, rows=None) -> tuple[np.ndarray, list[str], np.ndarray]:
-        """(steps, names, counts[steps, names, bins]) of the sampled histograms of kind weight,
-        grad (names: parameters) or activation (names: modules). Counts of -1: not recorded
-        (no gradient, module not called). ``rows``: the row numbers to read (sorted), to bound
-        memory on a long run (all rows by default). Empty in traces without histograms."""
-        if kind not in HIST_KINDS:
-            raise ValueError(f"unknown histogram kind {kind!r}; one of {HIST_KINDS}")
-        lower, _ = self.histogram_bins
-        if not lower.size:
-            return np.zeros(0, np.int64), [], np.zeros((0, 0, 0), np.int32)
-        table, index = (("histogram_modules/module", self.module_names) if kind == "activation"
-                        else ("histogram_params/param", self.param_names))
-        idx = self._read(table)
-        names = [index[i] if 0 <= i < len(index) else f"#{i}" for i in idx]
-        steps = self.histogram_steps
-        rows = np.arange(len(steps)) if rows is None else np.unique(np.asarray(rows, dtype=np.int64))
-        rows = rows[(rows >= 0) & (rows < len(steps))]
-        try:
-            with _open(self.path) as f:
-                data = f[f"histograms/{kind}"][rows.tolist()] if rows.size else np.zeros((0, len(names) * lower.size))
-        except (KeyError, OSError, ValueError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read histograms/{kind} ({e})") from None
-        counts = np.asarray(data).reshape(len(rows), len(names), lower.size)
-        return steps[rows], names, counts
-
-    @cached_property
-    def histogram_steps(self) -> np.ndarray:
-        """The steps of the histogram rows every histogram dataset holds (empty without them)."""
-        if not self._has("histograms/step"):
-            return np.zeros(0, np.int64)
-        return np.asarray(self._sampled_steps("histograms", HIST_KINDS), dtype=np.int64)
 
     @cached_property
     def total_grad_norm(self) -> pd.Series:
@@ -717,24 +409,6 @@ class RankTrace:
         return float(t[-1] - self.meta.get("start_unix", t[0]))
 
 
-def _gather(ds, idx: np.ndarray) -> np.ndarray:
-    """Rows idx (sorted, unique) of a dataset, read a block at a time: a handful of reads for
-    rows close together, never more memory than the rows asked for plus one block."""
-    out = np.empty((len(idx),) + ds.shape[1:], dtype=ds.dtype)
-    span = block_rows(_width(ds))
-    k = 0
-    while k < len(idx):
-        a = int(idx[k])
-        stop = int(np.searchsorted(idx, a + span))
-        out[k:stop] = ds[a:int(idx[stop - 1]) + 1][idx[k:stop] - a]
-        k = stop
-    return out
-
-
-def _width(ds) -> int:
-    return int(np.prod(ds.shape[1:])) if len(ds.shape) > 1 else 1
-
-
 # Step columns added to schema 1 after its first traces, and what they read as when absent.
 _OPTIONAL_STEP_COLUMNS = {
     **dict.fromkeys(("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
@@ -772,58 +446,3 @@ class StepColumns:
     def frame(self, cols=STEP_COLUMNS) -> pd.DataFrame:
         """Those columns as a DataFrame (all of them: 130 bytes a step)."""
         return pd.DataFrame({c: self[c] for c in cols}, index=self.index)
-
-
-class Trace:
-    """A run directory: every rank's trace, keyed by rank."""
-
-    def __init__(self, run_dir: str, ranks: dict[int, RankTrace], unreadable: dict[str, str]):
-        self.run_dir = run_dir
-        self.ranks = dict(sorted(ranks.items()))
-        self.unreadable = unreadable  # file -> reason, for ranks that could not be read
-
-    @property
-    def size_bytes(self) -> int:
-        return sum(r.size_bytes for r in self.ranks.values())
-
-    def __repr__(self) -> str:
-        return f"Trace({self.run_dir!r}, ranks={list(self.ranks)})"
-
-
-def trace_files(path: str) -> list[str]:
-    """The rank files of a run directory (or the one file given)."""
-    if not os.path.exists(path):
-        raise TraceNotFoundError(f"{path} does not exist; give the run directory passed to "
-                                 "Recorder(model, run_dir)")
-    if os.path.isfile(path):
-        return [path]
-    files = [os.path.join(path, n) for n in os.listdir(path) if _RANK_FILE.match(n)]
-    if not files:
-        raise TraceNotFoundError(f"{path} holds no rank*.h5 trace files; give the run directory "
-                                 "passed to Recorder(model, run_dir)")
-    return sorted(files, key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
-
-
-def load(run_dir) -> Trace:
-    """Open a run directory (or one rank file) for reading.
-
-    Raises a TraceError subclass with a one-line reason if nothing in it can be analyzed; a
-    multi-rank run with some unreadable files loads the readable ones and lists the others in
-    ``Trace.unreadable``.
-    """
-    run_dir = os.fspath(run_dir)
-    ranks: dict[int, RankTrace] = {}
-    unreadable: dict[str, str] = {}
-    files = trace_files(run_dir)
-    first_error = None
-    for p in files:
-        try:
-            rt = RankTrace(p)
-        except (TraceFormatError, SchemaVersionError) as e:
-            first_error = first_error or e
-            unreadable[p] = str(e)
-            continue
-        ranks[rt.rank] = rt
-    if not ranks:
-        raise first_error
-    return Trace(run_dir, ranks, unreadable)

@@ -1,0 +1,66 @@
+"""The trace file format's constants, opening a rank file safely, and decoding its strings."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import h5py
+import numpy as np
+
+from ..errors import TraceFormatError
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "torchautopsy-trace"
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+
+PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
+MODULE_STATS = ("output_absmax",)
+ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
+HIST_KINDS = ("weight", "grad", "activation")
+# Tables written once per step: their rows line up, one per step.
+_PER_STEP_TABLES = {"steps": ("step",), "params": PARAM_STATS, "modules": MODULE_STATS}
+
+
+def _open(path: str) -> h5py.File:
+    """Open a trace read-only, also one whose writer was killed (SWMR-mode file left open)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise TraceFormatError(f"{path} is empty or truncated ({os.path.getsize(path)} bytes); "
+                               "it holds no trace")
+    if head != _HDF5_SIGNATURE:
+        raise TraceFormatError(f"{path} is not an HDF5 file, so not a torchautopsy trace; "
+                               "point at the run directory written by Recorder(model, run_dir)")
+    try:
+        return h5py.File(path, "r")
+    except OSError as plain:
+        message = str(plain)
+    # A killed writer leaves its "open for write" flag set; SWMR readers accept that. Only then
+    # do we retry in SWMR mode: on a damaged file an SWMR reader retries reads for a long time.
+    if "already open for write" in message:
+        try:
+            return h5py.File(path, "r", swmr=True)
+        except OSError as e:
+            message = str(e)
+    reason = message.split("(", 1)[-1].rstrip(")") if "(" in message else message
+    raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
+                           "copy it again from the job's run directory")
+
+
+def _attr(v):
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _texts(values) -> list[str]:
+    """UTF-8 strings as h5py returns them (bytes, or str) to str."""
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values]
+
+
+def _strings(ds) -> list[str]:
+    return _texts(ds[()])
