@@ -33,6 +33,18 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
     t, _ = phases(rt)
     x = rt.step_index
     layers = {PHASE_NAMES[p]: t[:, k] * 1e3 for k, p in enumerate(PHASES)}
-    return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=COLORS,
+    colors = COLORS
+    # With a DataLoader, the time between steps splits into waiting for its next batch and the
+    # rest of the loop (logging, checkpoints, idle): the two are told apart.
+    wait = rt.steps["data_wait_s"].to_numpy(dtype=float)
+    if np.isfinite(wait).any():
+        between = t[:, 0] * 1e3
+        waited = np.clip(np.nan_to_num(wait, nan=0.0) * 1e3, 0.0, np.nan_to_num(between, nan=0.0))
+        rest = {k: v for k, v in list(layers.items())[1:]}
+        layers = {"waiting for the DataLoader": waited, "other work between steps (idle)": between - waited, **rest}
+        colors = ("#ef6c00", "#ffcc80") + COLORS[1:]
+        caption += (" The time between steps is split into waiting for the DataLoader's next batch and the "
+                    "rest of the loop's own work (or idle).")
+    return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=colors,
                   hlines=hlines, points=points, points_label=points_label, marks=marks,
                   xspan=ctx.span(rt), ymax=ymax)
