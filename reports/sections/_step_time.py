@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...analyzer.detectors._step_time import PHASE_NAMES, PHASES, phases
+from ...analyzer.detectors._step_time import PHASE_NAMES, PHASES
 from ...analyzer.trace import RankTrace
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -21,8 +21,24 @@ def phase_list() -> str:
 
 
 def timed(rt: RankTrace) -> bool:
-    t, total = phases(rt)
-    return bool(np.isfinite(total).any())
+    return bool(np.isfinite(rt.steps["forward_s"].to_numpy(dtype=float)).any())
+
+
+def _layers(rt: RankTrace) -> tuple[dict[str, callable], bool]:
+    """The stacked layers, each as a function that reads its column (ms per step), and whether
+    the time between steps is split by the DataLoader's wait. Read one at a time: a long run is
+    bucketed column by column, never held whole."""
+    def col(name):
+        return lambda: np.nan_to_num(rt.steps[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
+
+    layers = {PHASE_NAMES[p]: col(p) for p in PHASES}
+    if not np.isfinite(rt.steps["data_wait_s"].to_numpy(dtype=float)).any():
+        return layers, False
+    between, wait = col("between_steps_s"), col("data_wait_s")
+    rest = {k: v for k, v in list(layers.items())[1:]}
+    split = {"waiting for the DataLoader": lambda: np.clip(wait(), 0.0, between()),
+             "other work between steps (idle)": lambda: between() - np.clip(wait(), 0.0, between())}
+    return {**split, **rest}, True
 
 
 def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, hlines=(), points=None,
@@ -30,21 +46,27 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
     if rt.n_steps == 0 or not timed(rt):
         return no_figure(title, "Step phases were not timed in this trace (recorded by torchautopsy "
                                 "0.1.0 or later).")
-    t, _ = phases(rt)
-    x = rt.step_index
-    layers = {PHASE_NAMES[p]: t[:, k] * 1e3 for k, p in enumerate(PHASES)}
-    colors = COLORS
-    # With a DataLoader, the time between steps splits into waiting for its next batch and the
-    # rest of the loop (logging, checkpoints, idle): the two are told apart.
-    wait = rt.steps["data_wait_s"].to_numpy(dtype=float)
-    if np.isfinite(wait).any():
-        between = t[:, 0] * 1e3
-        waited = np.clip(np.nan_to_num(wait, nan=0.0) * 1e3, 0.0, np.nan_to_num(between, nan=0.0))
-        rest = {k: v for k, v in list(layers.items())[1:]}
-        layers = {"waiting for the DataLoader": waited, "other work between steps (idle)": between - waited, **rest}
-        colors = ("#ef6c00", "#ffcc80") + COLORS[1:]
+    readers, split = _layers(rt)
+    colors = (("#ef6c00", "#ffcc80") + COLORS[1:]) if split else COLORS
+    if split:
         caption += (" The time between steps is split into waiting for the DataLoader's next batch and the "
                     "rest of the loop's own work (or idle).")
+    x = rt.step_index
+    n = len(x)
+    peak = None
+    if n > plots.MAX_POINTS:  # bucket each column as it is read: means per bucket, and the slowest step
+        starts = plots.bucket_edges(n, plots.MAX_POINTS // 2)[:-1]
+        counts = np.diff(np.append(starts, n))
+        total = np.zeros(n)
+        layers = {}
+        for label, read in readers.items():
+            v = read()
+            total += v
+            layers[label] = np.add.reduceat(v, starts) / counts
+        peak = np.maximum.reduceat(total, starts)
+        x = x[starts]
+    else:
+        layers = {label: read() for label, read in readers.items()}
     return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=colors,
                   hlines=hlines, points=points, points_label=points_label, marks=marks,
-                  xspan=ctx.span(rt), ymax=ymax)
+                  xspan=ctx.span(rt), ymax=ymax, peak=peak)
