@@ -58,6 +58,10 @@ def test_a_slow_data_loader_is_flagged(tmp_path):
     assert f["severity"] == "warning" and f["evidence"]["data_wait_share"] > 0.3
     assert f["evidence"]["median_data_wait_s"] > 0.1
     assert "num_workers" in f["advice"] and "dataloader_bottleneck" in out
+    # The report's step-time figure tells the DataLoader's wait from the loop's other work.
+    html = tmp_path / "r.html"
+    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    assert "split into waiting for the DataLoader" in html.read_text()
 
 
 def test_a_fast_data_loader_is_not(tmp_path):
