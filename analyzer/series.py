@@ -28,6 +28,14 @@ def trailing_median(x: np.ndarray, w: int) -> np.ndarray:
 _BLOCK_VALUES = 1 << 21
 
 
+def evenly_spaced(rows: np.ndarray, most: int) -> np.ndarray:
+    """At most ``most`` of ``rows``, evenly spaced, the first and the last kept."""
+    rows = np.asarray(rows)
+    if len(rows) <= most:
+        return rows
+    return rows[np.unique(np.linspace(0, len(rows) - 1, most).astype(np.int64))]
+
+
 def sample_rows(width: int, most: int, values: int = 1 << 21) -> int:
     """How many rows of a ``width``-wide table a judgement may read at once: ``most``, fewer for
     wide tables so that the sample holds at most ``values`` numbers (16 MB as float64), and never

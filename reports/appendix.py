@@ -8,7 +8,7 @@ import numpy as np
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored
 from ..analyzer.findings import Finding
-from .context import Context
+from .context import Context, read_or_none
 from .format import format_number, plural, shorten
 from .model import Recorded, Table
 
@@ -29,12 +29,12 @@ def parameter_table(ctx: Context) -> Table:
     # gradient norm was finite instead, and say how many came after it. Only that row is read.
     i = _last_finite_row(rt.total_grad_norm.to_numpy())
     at = int(rt.step_index[i])
-    g, gmax, w = (_safe(lambda s=s: rt.param_stat(s, rows=[i])) for s in ("grad_norm", "grad_absmax", "param_norm"))
-    sampled = _safe(lambda: rt.sample_steps("updates"))
+    g, gmax, w = (read_or_none(lambda s=s: rt.param_stat(s, rows=[i])) for s in ("grad_norm", "grad_absmax", "param_norm"))
+    sampled = read_or_none(lambda: rt.sample_steps("updates"))
     k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
-    upd = _safe(lambda: rt.update_ratio(rows=[k])) if k >= 0 else None
+    upd = read_or_none(lambda: rt.update_ratio(rows=[k])) if k >= 0 else None
     last_upd = upd.iloc[0] if upd is not None and len(upd) else None
-    bad_steps = _safe(lambda: _steps_with_nonfinite(rt))
+    bad_steps = read_or_none(lambda: _steps_with_nonfinite(rt))
     rows = []
     for j in keep:
         n = rt.param_names[j]
@@ -60,7 +60,7 @@ def memory_peak_table(ctx: Context) -> Table | None:
     """What held the memory at its peak: the largest tensor groups of the census nearest the
     step of peak memory (CUDA allocated on a GPU, else RSS). None without a census."""
     rt = ctx.focus
-    groups = _safe(lambda: rt.census_groups)
+    groups = read_or_none(lambda: rt.census_groups)
     if groups is None or not len(groups) or rt.n_steps == 0:
         return None
     steps = rt.steps
@@ -92,18 +92,18 @@ def cuda_memory_sites_table(ctx: Context) -> Table | None:
     from ..analyzer.memory_snapshot import history_peak, live_sites
 
     rt = ctx.focus
-    snaps = _safe(lambda: rt.memory_snapshots)
+    snaps = read_or_none(lambda: rt.memory_snapshots)
     if snaps is None or not len(snaps):
         return None
     row = snaps.iloc[int(np.argmax(snaps["allocated_bytes"].to_numpy()))]
     n, step = int(row["snapshot"]), int(row["step"])
-    peak = _safe(lambda: history_peak(rt, n, top=MAX_GROUPS))
+    peak = read_or_none(lambda: history_peak(rt, n, top=MAX_GROUPS))
     if peak is not None:
         sites, total = peak["sites"], peak["bytes"]
         when = (f"the moment of most memory in the allocator's history up to snapshot {n} (step {step:,}, "
                 f"{row['reason']}): {total / 2**20:,.0f} MiB live")
     else:
-        sites = _safe(lambda: live_sites(rt, n, top=MAX_GROUPS)) or []
+        sites = read_or_none(lambda: live_sites(rt, n, top=MAX_GROUPS)) or []
         when = (f"allocator snapshot {n} (step {step:,}, {row['reason']}), the one with the most memory "
                 f"allocated ({int(row['allocated_bytes']) / 2**20:,.0f} MiB)")
     cols = ("allocation site", "MiB", "blocks", "called from")
@@ -124,12 +124,12 @@ MAX_OPS = 15
 def profile_table(ctx: Context) -> Table | None:
     """The slowest operators (self CPU time) of the last profiler window, or None without one."""
     rt = ctx.focus
-    windows = _safe(lambda: rt.profile_windows)
+    windows = read_or_none(lambda: rt.profile_windows)
     if windows is None or not len(windows):
         return None
     last = windows.iloc[-1]
     w = int(last["window"])
-    ops = _safe(lambda: rt.profile_ops(w))
+    ops = read_or_none(lambda: rt.profile_ops(w))
     if ops is None or not len(ops):
         return None
     steps = int(last["step_end"]) - int(last["step_start"]) + 1
@@ -163,11 +163,11 @@ def module_table(ctx: Context) -> Table:
     i = _last_finite_row(np.where(all_finite, 0.0, np.nan))
     at = int(rt.step_index[i])
     out = rt.module_stat(rows=[i])
-    sampled = _safe(lambda: rt.sample_steps("activations"))
+    sampled = read_or_none(lambda: rt.sample_steps("activations"))
     k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
     act_row = {}
     for s in ("mean", "std", "zero_frac"):
-        a = _safe(lambda s=s: rt.activation_stat(s, rows=[k])) if k >= 0 else None
+        a = read_or_none(lambda s=s: rt.activation_stat(s, rows=[k])) if k >= 0 else None
         act_row[s] = a.iloc[0] if a is not None and len(a) else None
     dead = ctx.dead_shares(rt)
     dead_last = dead.ffill().iloc[-1] if dead is not None and len(dead) else None
@@ -209,18 +209,18 @@ def recorded(ctx: Context) -> list[Recorded]:
     out.append(Recorded("Weight norms", n > 0, f"every step, {plural(len(rt.param_names), 'tensor')}"))
     out.append(Recorded("Module outputs (max |x|, where NaN/Inf was born)", n > 0 and bool(rt.module_names),
                         f"every step, {plural(len(rt.module_names), 'module')}"))
-    out.append(_sampled("Activation statistics (mean, std, zero share)", _safe(lambda: rt.n_samples("activations")),
+    out.append(_sampled("Activation statistics (mean, std, zero share)", read_or_none(lambda: rt.n_samples("activations")),
                         cfg.get("activations_every"), "activations_every"))
-    out.append(_sampled("Update-to-weight ratios", _safe(lambda: rt.n_samples("updates")), cfg.get("update_ratio_every"),
+    out.append(_sampled("Update-to-weight ratios", read_or_none(lambda: rt.n_samples("updates")), cfg.get("update_ratio_every"),
                         "update_ratio_every"))
     dead = ctx.dead_shares(rt)
-    sites = _safe(lambda: rt.activity_sites)
+    sites = read_or_none(lambda: rt.activity_sites)
     out.append(Recorded("Per-unit activity (dead units)", dead is not None,
                         f"{plural(len(dead), 'window')} of {cfg.get('activity_window', '?')} steps, "
                         f"{plural(len(sites), 'activation')}" if dead is not None else
                         "no ReLU-family, GELU, tanh or sigmoid activation was seen"
                         if "activity_window" in cfg else "not recorded by this recorder version"))
-    att_sites = _safe(lambda: rt.attention_sites)
+    att_sites = read_or_none(lambda: rt.attention_sites)
     att = ctx.attention(rt, "entropy") if att_sites is not None and len(att_sites) else None
     out.append(Recorded("Attention per head (entropy, sink share, similarity)", att is not None and len(att) > 0,
                         f"{plural(len(att_sites), 'attention layer')}, {plural(len(att), 'sampled step')}"
@@ -240,20 +240,20 @@ def recorded(ctx: Context) -> list[Recorded]:
     out.append(Recorded("Step time by phase", timed > 0,
                         f"every step; DataLoader wait {'timed' if loader else 'not seen (no DataLoader used)'}"
                         if timed else "not recorded by this recorder version"))
-    windows = _safe(lambda: rt.profile_windows)
+    windows = read_or_none(lambda: rt.profile_windows)
     nw = 0 if windows is None else len(windows)
     out.append(Recorded("torch.profiler windows", nw > 0,
                         f"{plural(nw, 'window')} at steps " + ", ".join(
                             f"{int(a):,}-{int(b):,}" for a, b in zip(windows["step_start"][:6], windows["step_end"][:6]))
                         + (" ..." if nw > 6 else "") + " (torchautopsy export RUN_DIR --profile OUT.json)"
                         if nw else "none (the run ended before the first window, or profile_steps=0)"))
-    snaps = _safe(lambda: rt.memory_snapshots)
+    snaps = read_or_none(lambda: rt.memory_snapshots)
     ns = 0 if snaps is None else len(snaps)
     out.append(Recorded("CUDA allocator snapshots and history", ns > 0,
                         f"{plural(ns, 'snapshot')} at steps " + ", ".join(f"{int(x):,}" for x in snaps["step"][:6])
                         + (" ..." if ns > 6 else "") + " (torchautopsy export RUN_DIR --memory-snapshot OUT.pickle)"
                         if ns else "none (recorded on CUDA models only)"))
-    ooms = _safe(lambda: rt.oom_events)
+    ooms = read_or_none(lambda: rt.oom_events)
     if ooms is not None and len(ooms):
         out.append(Recorded("Out-of-memory events", True, f"{plural(len(ooms), 'event')}, first at step "
                             f"{int(ooms['step'].iloc[0]):,}"))
@@ -288,12 +288,6 @@ def _steps_with_nonfinite(rt) -> np.ndarray:
         count += (block > 0).sum(axis=0)
     return count
 
-
-def _safe(read):
-    try:
-        return read()
-    except TraceError:
-        return None
 
 
 def _last_finite_row(x: np.ndarray) -> int:

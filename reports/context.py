@@ -47,10 +47,7 @@ class Context:
 
     def _cached(self, key, read: Callable):
         if key not in self._cache:
-            try:
-                self._cache[key] = read()
-            except TraceError:
-                self._cache[key] = None  # a part that cannot be read is drawn as "not recorded"
+            self._cache[key] = read_or_none(read)
         return self._cache[key]
 
     def param(self, rt: RankTrace, stat: str, span: tuple[float, float] | None = None) -> pd.DataFrame:
@@ -64,13 +61,6 @@ class Context:
         return self._cached((rt.rank, "module", span),
                             lambda: _per_step(rt, "modules/output_absmax", rt.module_names, span,
                                               lambda rows: rt.module_stat(rows=rows)))
-
-    def rows(self, read: Callable):
-        """An uncached read of a few rows; None if that part of the trace cannot be read."""
-        try:
-            return read()
-        except TraceError:
-            return None
 
     def updates(self, rt: RankTrace) -> pd.DataFrame | None:
         """Sampled steps x parameters of the update-to-weight ratio (an envelope when long)."""
@@ -124,6 +114,15 @@ class Context:
 
     def title_rank(self, title: str, rank: int | None) -> str:
         return f"{title} (rank {rank})" if len(self.trace.ranks) > 1 and rank is not None else title
+
+
+def read_or_none(read: Callable):
+    """read(), or None if that part of the trace cannot be read: a report draws it as "not
+    recorded" instead of failing."""
+    try:
+        return read()
+    except TraceError:
+        return None
 
 
 def figure(title: str, caption: str, plot: Callable, *args, height_in: float = 2.8, **kwargs) -> Figure:

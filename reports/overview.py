@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 
 from . import plots
-from .context import Context, figure, no_figure
+from .context import Context, figure, no_figure, read_or_none
 from .model import Figure
 
 # The heatmap: at most this many rows (more layers are merged, max per group) and step columns.
@@ -50,10 +50,10 @@ def _grad_heatmap(ctx: Context) -> Figure:
     # one step stays visible, and a million steps never sit in memory at once.
     steps = rt.step_index
     edges = plots.bucket_edges(len(steps), HEATMAP_COLS)
-    g = ctx.rows(lambda: rt.bucketed("params/grad_norm", edges, cols))
+    g = read_or_none(lambda: rt.bucketed("params/grad_norm", edges, cols))
     if g is None:
         return no_figure(title, "No gradient norms were recorded.")
-    bad = ctx.rows(lambda: rt.bucketed("params/grad_nonfinite", edges, cols))
+    bad = read_or_none(lambda: rt.bucketed("params/grad_nonfinite", edges, cols))
     vb = g["positive_max"]
     # NaN/Inf: counted as such by the recorder, or an Inf norm (an overflow of finite values).
     nb = g["inf"] | ((bad["max"] > 0) if bad is not None else g["nonfinite"])

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import VanishingGradientsConfig
 from ..findings import Finding
-from ..series import sample_rows, trailing_median
+from ..series import evenly_spaced, sample_rows, trailing_median
 from ..trace import RankTrace
 from ._missing import no_gradients
 
@@ -65,7 +65,7 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         win = rows[-n_win:]
         # The per-layer median over the window, from an evenly spaced sample of its rows when it
         # is long: the same median within noise, in bounded memory.
-        sample = win[np.unique(np.linspace(0, len(win) - 1, min(len(win), sample_rows(len(weights), MAX_WINDOW_ROWS))).astype(np.int64))]
+        sample = evenly_spaced(win, sample_rows(len(weights), MAX_WINDOW_ROWS))
         g = rt.param_stat("grad_norm", rows=sample).to_numpy(dtype=np.float64)[:, weights]
         med = np.nanmedian(_rms(g, numel), axis=0)
         early_min = np.nanmin(med[early])

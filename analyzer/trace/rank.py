@@ -181,8 +181,7 @@ class RankTrace(MemoryTables, StoredTensors):
 
     def n_samples(self, table: str) -> int:
         """Rows of a sampled table (activations, updates, attention); 0 if absent."""
-        cols = {"activations": ACTIVATION_STATS, "updates": ("ratio",)}.get(table, ("step",))
-        return len(self._sampled_steps(table, cols)) if self._has(f"{table}/step") else 0
+        return len(self.sample_steps(table))
 
     def _sampled_steps(self, table: str, cols) -> np.ndarray:
         try:
@@ -384,10 +383,11 @@ class RankTrace(MemoryTables, StoredTensors):
             ks = np.arange(k0, k1)
             starts = np.maximum(edges[k0:k1] - a, 0)
             finite = np.isfinite(v)
+            fv = np.where(finite, v, np.nan)
             with np.errstate(invalid="ignore"):
-                hi = np.fmax.reduceat(np.where(finite, v, np.nan), starts, axis=0)
-                lo = np.fmin.reduceat(np.where(finite, v, np.nan), starts, axis=0)
-                pos = np.fmax.reduceat(np.where(finite & (v > 0), v, np.nan), starts, axis=0)
+                hi = np.fmax.reduceat(fv, starts, axis=0)
+                lo = np.fmin.reduceat(fv, starts, axis=0)
+                pos = np.fmax.reduceat(np.where(fv > 0, fv, np.nan), starts, axis=0)
             bad = np.logical_or.reduceat(~finite, starts, axis=0)
             out["inf"][ks] |= np.logical_or.reduceat(np.isinf(v), starts, axis=0)
             out["max"][ks] = np.fmax(out["max"][ks], hi)

@@ -24,21 +24,25 @@ def timed(rt: RankTrace) -> bool:
     return bool(np.isfinite(rt.steps["forward_s"].to_numpy(dtype=float)).any())
 
 
-def _layers(rt: RankTrace) -> tuple[dict[str, callable], bool]:
-    """The stacked layers, each as a function that reads its column (ms per step), and whether
-    the time between steps is split by the DataLoader's wait. Read one at a time: a long run is
-    bucketed column by column, never held whole."""
-    def col(name):
-        return lambda: np.nan_to_num(rt.steps[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
+def _split(rt: RankTrace) -> bool:
+    """Whether the time between steps splits into the DataLoader's wait and the rest."""
+    return bool(np.isfinite(rt.steps["data_wait_s"].to_numpy(dtype=float)).any())
 
-    layers = {PHASE_NAMES[p]: col(p) for p in PHASES}
-    if not np.isfinite(rt.steps["data_wait_s"].to_numpy(dtype=float)).any():
-        return layers, False
-    between, wait = col("between_steps_s"), col("data_wait_s")
-    rest = {k: v for k, v in list(layers.items())[1:]}
-    split = {"waiting for the DataLoader": lambda: np.clip(wait(), 0.0, between()),
-             "other work between steps (idle)": lambda: between() - np.clip(wait(), 0.0, between())}
-    return {**split, **rest}, True
+
+def _layers(rt: RankTrace, split: bool):
+    """Yield (label, ms per step) of each stacked layer, one column read at a time: a long run is
+    bucketed column by column, never held whole."""
+    def ms(name):
+        return np.nan_to_num(rt.steps[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
+
+    for p in PHASES:
+        if p == "between_steps_s" and split:
+            between = ms(p)
+            waited = np.clip(ms("data_wait_s"), 0.0, between)
+            yield "waiting for the DataLoader", waited
+            yield "other work between steps (idle)", between - waited
+        else:
+            yield PHASE_NAMES[p], ms(p)
 
 
 def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, hlines=(), points=None,
@@ -46,7 +50,7 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
     if rt.n_steps == 0 or not timed(rt):
         return no_figure(title, "Step phases were not timed in this trace (recorded by torchautopsy "
                                 "0.1.0 or later).")
-    readers, split = _layers(rt)
+    split = _split(rt)
     colors = (("#ef6c00", "#ffcc80") + COLORS[1:]) if split else COLORS
     if split:
         caption += (" The time between steps is split into waiting for the DataLoader's next batch and the "
@@ -59,14 +63,13 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
         counts = np.diff(np.append(starts, n))
         total = np.zeros(n)
         layers = {}
-        for label, read in readers.items():
-            v = read()
+        for label, v in _layers(rt, split):
             total += v
             layers[label] = np.add.reduceat(v, starts) / counts
         peak = np.maximum.reduceat(total, starts)
         x = x[starts]
     else:
-        layers = {label: read() for label, read in readers.items()}
+        layers = dict(_layers(rt, split))
     return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=colors,
                   hlines=hlines, points=points, points_label=points_label, marks=marks,
                   xspan=ctx.span(rt), ymax=ymax, peak=peak)

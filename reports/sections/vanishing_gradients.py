@@ -8,10 +8,10 @@ import warnings
 import numpy as np
 
 from ...analyzer.detectors.vanishing_gradients import MAX_WINDOW_ROWS
-from ...analyzer.series import sample_rows
+from ...analyzer.series import evenly_spaced, sample_rows
 from ...analyzer.findings import Finding
 from .. import plots
-from ..context import Context, figure, no_figure
+from ..context import Context, figure, no_figure, read_or_none
 from ..model import Figure, Text
 from ._text import name, num, step, text
 
@@ -37,9 +37,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     win = f.evidence.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
     # The judged window's rows, an evenly spaced sample of them when long (as the detector does).
     span = rt.rows_in_span(win[0], win[-1])
-    sample = np.unique(np.linspace(span.start, max(span.start, span.stop - 1),
-                                   min(max(span.stop - span.start, 1), sample_rows(len(weights), MAX_WINDOW_ROWS))).astype(np.int64))
-    g = ctx.rows(lambda: rt.param_stat("grad_norm", rows=sample)) if rt.n_steps else None
+    sample = evenly_spaced(np.arange(span.start, span.stop), sample_rows(len(weights), MAX_WINDOW_ROWS))
+    g = read_or_none(lambda: rt.param_stat("grad_norm", rows=sample)) if rt.n_steps else None
     if g is None or len(weights) < 2:
         return no_figure(title, "Fewer than two weight tensors have gradients recorded.")
     rms = g.to_numpy(dtype=np.float64)[:, weights] / np.sqrt(rt.param_numel[weights].astype(np.float64))

@@ -168,30 +168,26 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept = []
     g = torch.Generator().manual_seed(0)
-    with Recorder(model, tmp_path / "leak", census_every=10, census_budget=1.0) as rec:
-        for step in range(150):
-            x = torch.randn(32, 32, generator=g)
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            kept.append(loss)
-            rec.step(loss=loss)
+
+    def train(run_dir, keep):
+        with Recorder(model, run_dir, census_every=10, census_budget=1.0) as rec:
+            for step in range(150):
+                x = torch.randn(32, 32, generator=g)
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                kept.append(keep(loss))
+                rec.step(loss=loss)
+
+    train(tmp_path / "leak", keep=lambda loss: loss)
     (f,) = of_kind(analyze(load(tmp_path / "leak")), "memory_leak")
     assert f.evidence["series"] == "live_tensors_with_graph", f.summary
     assert 0.9 <= f.evidence["tensors_with_graph_per_step"] <= 1.1
     assert f.evidence["growing_group"]["shape"] == "[]" and f.evidence["growing_group"]["graph"]
     assert "a loss tensor kept across iterations" in f.summary
     # The same loop that reads loss.item() instead of keeping the tensor: no leak.
-    with Recorder(model, tmp_path / "ok", census_every=10, census_budget=1.0) as rec:
-        for step in range(150):
-            x = torch.randn(32, 32, generator=g)
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            kept.append(loss.item())
-            rec.step(loss=loss)
+    train(tmp_path / "ok", keep=lambda loss: loss.item())
     assert not of_kind(analyze(load(tmp_path / "ok")), "memory_leak")
 
 
