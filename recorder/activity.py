@@ -55,6 +55,9 @@ class ActivityTracker:
         self.step = 0
         self._window_start = 0
         self._windows_done = 0
+        # Steps of the current window whose modules were hooked (watched, see hooks.py): the
+        # sites are only seen on those steps.
+        self.steps_watched = 0
         self._bits = 0
         self._new_sites: list[dict] = []
 
@@ -164,6 +167,7 @@ class ActivityTracker:
         row = {
             "step_start": self._window_start, "step_end": step,
             "steps_seen": np.array([s.steps_seen for s in sites], dtype=np.int32),
+            "steps_watched": self.steps_watched,
             "ever_positive": np.packbits(bits, bitorder="little"),
             "saturated_frac": frac,
         }
@@ -171,6 +175,7 @@ class ActivityTracker:
             s.mask, s.saturated, s.numel, s.steps_seen = None, None, 0, 0
         self._window_start = step + 1
         self._windows_done += 1
+        self.steps_watched = 0
         return row
 
     def has_open_window(self, step: int) -> bool:

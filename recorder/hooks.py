@@ -1,10 +1,17 @@
-"""Forward hooks on every module: the per-step finite check and sampled activation statistics.
+"""Forward hooks on every module, on watched steps: the finite check and activation statistics.
 
-The finite check must run on every step, so it is one reduction per output: ``aminmax``, whose
-min and max are NaN if any element is NaN and +-Inf if any is infinite. A module *produced* a
-NaN/Inf (rather than passing one on) when its output is non-finite while its inputs were not;
-inputs that are the output of a module already seen this step reuse that module's result, so in
-the common case (a chain of modules) inputs cost nothing.
+Every module is hooked only on the steps the recorder watches (every ``activations_every``-th,
+and the histogram, sample and attention steps): a hooked module costs ~10 us of Python per call
+and a reduction over its output, too much for every step of a small model. On the other steps
+only the root module is hooked (for the step's timing). A NaN/Inf born on an unwatched step is
+still seen on its step, in the loss and gradient norms, and its module is then found by running
+the step again on a copy of the model with every module hooked (replay.py), with this same class.
+
+The finite check is one reduction per output: ``aminmax``, whose min and max are NaN if any
+element is NaN and +-Inf if any is infinite. A module *produced* a NaN/Inf (rather than passing
+one on) when its output is non-finite while its inputs were not; inputs that are the output of a
+module already seen this step reuse that module's result, so in the common case (a chain of
+modules) inputs cost nothing.
 """
 
 from __future__ import annotations
@@ -37,10 +44,13 @@ class ModuleWatcher:
         # attributed to the innermost module, and told apart by its call number.
         # [module index, activation calls, attention calls, input check indices or None]
         self.stack: list[list] = []
-        self._handles = []
-        for i, m in enumerate(self.modules):
-            self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
-            self._handles.append(m.register_forward_hook(self._make_hook(i)))
+        self._handles = []  # the per-module hooks, while watching
+        self.watching = False
+        # Also check forward passes under no_grad (the replay of a step runs under no_grad).
+        self.check_no_grad = False
+        # The step's timing needs only the root module, hooked on every step.
+        self._timing_handles = [self.modules[0].register_forward_pre_hook(self._timing_pre_hook),
+                                self.modules[0].register_forward_hook(self._timing_hook)]
         self.sample_activations = False
         # Histograms of these modules' outputs (module index -> row) on histogram steps, and
         # whole outputs of a few modules (module index -> name) handed to `samples` on sample steps.
@@ -62,9 +72,28 @@ class ModuleWatcher:
     def current(self) -> list | None:
         """The frame of the innermost module whose forward is running, or None (also while
         gradients are disabled: forward passes under no_grad are evaluation, not recorded)."""
-        if not self.stack or not torch.is_grad_enabled():
+        if not self.stack or not (self.check_no_grad or torch.is_grad_enabled()):
             return None
         return self.stack[-1]
+
+    def watch(self, on: bool) -> None:
+        """Hook every module (a watched step), or only the root's timing (other steps)."""
+        if on and not self.watching:
+            for i, m in enumerate(self.modules):
+                self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
+                self._handles.append(m.register_forward_hook(self._make_hook(i)))
+        elif not on and self.watching:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+        self.watching = on
+
+    def _timing_pre_hook(self, module, args):
+        if self.t_forward_start is None:
+            self.t_forward_start = time.perf_counter()
+
+    def _timing_hook(self, module, args, output):
+        self.t_forward_end = time.perf_counter()
 
     def producer(self, x) -> int:
         """Index of the module whose forward returned tensor x this step, or -1."""
@@ -93,9 +122,10 @@ class ModuleWatcher:
         self._sampled: set[int] = set()  # modules whose output was sampled this step
 
     def remove(self) -> None:
-        for h in self._handles:
+        self.watch(False)
+        for h in self._timing_handles:
             h.remove()
-        self._handles = []
+        self._timing_handles = []
         self._reset()
 
     def _check(self, x: torch.Tensor) -> int:
@@ -118,14 +148,12 @@ class ModuleWatcher:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
-            if index == 0 and self.t_forward_start is None:
-                self.t_forward_start = time.perf_counter()
             # Inputs are checked before the forward runs: a module that writes NaN into its
             # input in place (x.mul_(nan)) must be seen receiving finite inputs.
             ins = None
             # (no torch.no_grad() needed here or in hook(): every reduction runs on a detached
             # tensor, so none records a graph, and the context manager costs ~2 us a call)
-            if torch.is_grad_enabled() and len(self._calls) < self.max_calls:
+            if (self.check_no_grad or torch.is_grad_enabled()) and len(self._calls) < self.max_calls:
                 try:
                     ins = [self._check(x) for x in floating_tensors(args)]
                 except Exception as e:  # never raise into the model's forward
@@ -136,8 +164,6 @@ class ModuleWatcher:
 
     def _make_hook(self, index: int):
         def hook(module, args, output):
-            if index == 0:
-                self.t_forward_end = time.perf_counter()
             # Pop this module's frame (and any left by a forward that raised inside it).
             frame = None
             while self.stack:

@@ -123,6 +123,10 @@ class Recorder:
         self._last_snapshot = -1
         self._loss_given = False
         self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
+        # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
+        # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
+        self._watched = False
+        self._replayed: dict | None = None
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -281,11 +285,20 @@ class Recorder:
                 bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
             if bad:
                 names = [self._param_names[i] for i in bad]
+                extra = {"n_params_affected": len(names), **self._replay()}
                 self._fire(self.blackbox.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
-                                                 self._param_name_by_id, {"n_params_affected": len(names)}))
+                                                 self._param_name_by_id, extra))
         except Exception as e:
             self._fail(e)
         return None
+
+    def _replay(self) -> dict:
+        """On a step that was not watched, find where its NaN/Inf was born by running its forward
+        passes again on a copy of the model (before the black box is written: it says how it went)."""
+        if self._watched or self._replayed is not None or self.blackbox is None:
+            return {}
+        self._replayed = self.blackbox.replay()
+        return {"origin_replay": self._replayed["replay"]}
 
     def _fire(self, task) -> None:
         """Write the black box now, and wait for it to be on disk: the job may die next."""
@@ -325,13 +338,19 @@ class Recorder:
         return step % every == 0
 
     def _set_schedule(self, step: int) -> None:
-        """Tell the hooks what the coming step records."""
-        self.watcher.sample_activations = self._is_sampled(step, self.config.activations_every)
-        self.watcher.sample_histograms = bool(self.config.histogram_every) and self._is_sampled(
-            step, self.config.histogram_every)
-        self.watcher.sample_tensors = self.samples is not None and self.samples.due(step)
+        """Tell the hooks what the coming step records, and hook every module if it records
+        anything per module (a watched step; other steps hook only the root, see hooks.py)."""
+        w = self.watcher
+        w.sample_activations = self._is_sampled(step, self.config.activations_every)
+        w.sample_histograms = bool(self.config.histogram_every) and self._is_sampled(step, self.config.histogram_every)
+        w.sample_tensors = self.samples is not None and self.samples.due(step)
         self.attention.sampled = self._is_sampled(step, self.config.attention_every)
+        self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors or self.attention.sampled
+        w.watch(self._watched)
+        self._replayed = None
         self.activity.step = self.attention.step = step
+        if self._watched:
+            self.activity.steps_watched += 1
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
     def on_activation(self, fn, args, kwargs, out) -> None:
@@ -484,6 +503,7 @@ class Recorder:
     def _record_step(self, loss, t_called: float) -> None:
         step = self._step
         cfg = self.config
+        watched = self._watched
         pk = Packer()
         with torch.no_grad():
             if isinstance(loss, torch.Tensor):
@@ -493,7 +513,6 @@ class Recorder:
             present = [grads[i].detach() for i in has]
             # float32 norms (a float64 accumulation costs 13x on CPU, measured); a finite norm
             # above float32's range shows as Inf and is recomputed in float64 below.
-            # max|g| from aminmax per tensor: _foreach_norm(ord=inf) is 18x slower on CPU.
             if present:
                 cache, self._norm_cache = self._norm_cache, {}
                 hits = [cache.get(i) for i in has]
@@ -502,12 +521,14 @@ class Recorder:
                     pk.add("grad_norm", [c[2] for c in hits])  # computed before the update, reused
                 else:
                     pk.add("grad_norm", torch._foreach_norm(present))
-                mm = [torch.aminmax(g) for g in present]
-                pk.add("grad_min", [m[0] for m in mm])
-                pk.add("grad_max", [m[1] for m in mm])
+                if watched:
+                    self._add_grad_range(pk, present)
             if self._params:
                 weights = [p.detach() for p in self._params]
-                pk.add("param_norm", torch._foreach_norm(weights))
+                # Weight norms on watched steps, and on the step before an update ratio (its
+                # ||w_before||); other steps write -1 (not measured) unless they go bad.
+                if watched or self._is_sampled(step + 1, cfg.update_ratio_every):
+                    pk.add("param_norm", torch._foreach_norm(weights))
                 # The model may have moved (model.to(device), .half()) since the copy was taken.
                 do_update = (self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
                              and self._prev_weights[0].device == weights[0].device
@@ -528,23 +549,38 @@ class Recorder:
                 self.activity.pack(pk)
             self.attention.pack(pk)
             host = pk.fetch()
+            loss_value = self._loss_value(loss, host)
 
             n_params = len(self._params)
+            # A step whose loss or gradients went NaN/Inf is measured in full, watched or not (a
+            # second transfer, on that step only).
+            bad_step = (loss is not None and not np.isfinite(loss_value)) or (
+                bool(present) and not np.isfinite(host["grad_norm"]).all())
+            if bad_step and not watched:
+                extra = Packer()
+                if present:
+                    self._add_grad_range(extra, present)
+                if self._params and "param_norm" not in host:
+                    extra.add("param_norm", torch._foreach_norm(weights))
+                host.update(extra.fetch())
             grad_norm = np.full(n_params, np.nan)
-            grad_absmax = np.full(n_params, np.nan)
+            grad_absmax = np.full(n_params, np.nan if watched or bad_step else -1.0)  # -1: not measured
             grad_bad = np.zeros(n_params, dtype=np.int64)  # exact NaN/Inf element counts
             if present:
-                g_absmax = np.maximum(np.abs(host["grad_min"]), np.abs(host["grad_max"]))
                 g_norm = host["grad_norm"]
-                bad = [j for j in range(len(has)) if not np.isfinite(g_absmax[j])]
-                if bad:  # rare: count exactly, at the cost of a second transfer on this step only
+                g_absmax = np.maximum(np.abs(host["grad_min"]), np.abs(host["grad_max"])) if "grad_min" in host else None
+                # Only a non-finite norm can hide a NaN/Inf (a float32 norm may also overflow).
+                bad = [j for j in range(len(has)) if not np.isfinite(g_norm[j] if g_absmax is None else g_absmax[j])]
+                if bad:  # rare: count exactly, at the cost of another transfer on this step only
                     counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
                     grad_bad[[has[j] for j in bad]] = counts
                 g_norm = _exact_overflowed_norms(g_norm, g_absmax, present)
                 grad_norm[has] = g_norm
-                grad_absmax[has] = g_absmax
-            if self._params:
-                host["param_norm"] = _exact_overflowed_norms(host["param_norm"], None, weights)
+                if g_absmax is not None:
+                    grad_absmax[has] = g_absmax
+            param_norm = np.full(n_params, -1.0)  # -1: not measured on this step
+            if "param_norm" in host:
+                param_norm = _exact_overflowed_norms(host["param_norm"], None, weights)
 
             # Weights to compare the next sampled update against: taken after this update.
             if self._params and self._is_sampled(step + 1, cfg.update_ratio_every):
@@ -555,12 +591,10 @@ class Recorder:
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
         mods = self.watcher.finish_step(host, len(self.watcher.names))
         self._loss_given = loss is not None
-        if isinstance(loss, torch.Tensor):
-            loss_value = float(host["loss"][0]) if host["loss"].size else float("nan")
-        elif loss is None:
-            loss_value = float("nan")
-        else:
-            loss_value = float(loss)
+        if not watched and self._trigger(loss_value, grad_bad, mods) is not None:
+            self._replay()  # a NaN/Inf no optimizer step saw first: find its module now
+        if self._replayed is not None and self._replayed.get("reproduced"):
+            mods = {k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")}
         if self._params:
             self._device = self._params[0].device
         alloc, reserved, peak = cuda_bytes(self._device)
@@ -573,7 +607,7 @@ class Recorder:
             "params": {
                 "grad_norm": _f32(grad_norm), "grad_absmax": _f32(grad_absmax),
                 "grad_nonfinite": np.minimum(grad_bad, 2**31 - 1).astype(np.int32),
-                "param_norm": _f32(host["param_norm"]) if n_params else np.zeros(0, np.float32),
+                "param_norm": _f32(param_norm),
             },
             "modules": {"output_absmax": mods["output_absmax"]},
         }
@@ -622,22 +656,42 @@ class Recorder:
             if task is not None:
                 self.writer.put_task(task)
         bb = self.blackbox
-        if bb is not None and bb.armed:
-            trigger = ("loss_nonfinite" if self._loss_given and not np.isfinite(loss_value) else
-                       # Once an optimizer step of this model was seen, its pre-hook judges the
-                       # gradients: NaN/Inf gradients it never saw were not applied (AMP's
-                       # GradScaler skips such steps), and are no reason to fire.
-                       "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
-                       "activation_nonfinite" if mods["origin"] >= 0 else
-                       "input_nonfinite" if mods["batch_nonfinite"] else None)
-            if trigger is not None:
-                self._fire(bb.capture(step, trigger, "end_of_step", extra={
-                    "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
-                            "gradients first (a NaN loss or output with finite gradients, or a hand-written update)"}))
+        trigger = self._trigger(loss_value, grad_bad, mods)
+        if trigger is not None:
+            self._fire(bb.capture(step, trigger, "end_of_step", extra={
+                "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
+                        "gradients first (a NaN loss or output with finite gradients, or a hand-written update)",
+                **({"origin_replay": self._replayed["replay"]} if self._replayed else {})}))
         if bb is not None:
             bb.new_step()
         if self.snapshots is not None and self.snapshots.due(step + 1):
             self._snapshot(step + 1)
+
+    def _trigger(self, loss_value: float, grad_bad, mods) -> str | None:
+        """Why the black box fires at rec.step() on this step, or None."""
+        if self.blackbox is None or not self.blackbox.armed:
+            return None
+        return ("loss_nonfinite" if self._loss_given and not np.isfinite(loss_value) else
+                # Once an optimizer step of this model was seen, its pre-hook judges the
+                # gradients: NaN/Inf gradients it never saw were not applied (AMP's
+                # GradScaler skips such steps), and are no reason to fire.
+                "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
+                "activation_nonfinite" if mods["origin"] >= 0 else
+                "input_nonfinite" if mods["batch_nonfinite"] else None)
+
+    @staticmethod
+    def _loss_value(loss, host: dict) -> float:
+        if isinstance(loss, torch.Tensor):
+            return float(host["loss"][0]) if host["loss"].size else float("nan")
+        return float("nan") if loss is None else float(loss)
+
+    @staticmethod
+    def _add_grad_range(pk: Packer, grads: list) -> None:
+        """min and max of each gradient (max|g| and whether it holds NaN/Inf): aminmax per tensor,
+        as _foreach_norm(ord=inf) is 18x slower on CPU (measured)."""
+        mm = [torch.aminmax(g) for g in grads]
+        pk.add("grad_min", [m[0] for m in mm])
+        pk.add("grad_max", [m[1] for m in mm])
 
     def _timing(self, t_called: float) -> dict:
         """Split the step's wall time; NaN where a phase was not seen (no forward, first step,

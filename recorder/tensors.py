@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .replay import replay_step
+
 # Half precision a snapshot may be stored in (snapshot_dtype); "exact" keeps each tensor's dtype.
 HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -313,6 +315,12 @@ class BlackBox:
             with torch.no_grad():
                 torch._foreach_copy_(self._buffer_copies, [t.detach() for _, t in bufs])
         self._buffers_at_start = True
+
+    def replay(self) -> dict:
+        """This step's forward passes run again on a copy of the model, every module checked
+        (replay.py): where its NaN/Inf was born."""
+        return replay_step(self.model, self.inputs, self.rng,
+                           self._buffers if self._buffers_at_start else [], self._buffer_copies)
 
     def new_step(self) -> None:
         self.inputs = []

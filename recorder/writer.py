@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
 
 _STR = h5py.string_dtype("utf-8")
@@ -112,6 +112,7 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("step_start", "i8"),
             Column("step_end", "i8"),
             Column("steps_seen", "i4", GROWS),  # per site: steps of the window it was called in
+            Column("steps_watched", "i4"),  # steps of the window the recorder hooked the modules on
             Column("ever_positive", "u1", GROWS),  # bits (little-endian per byte), one per unit
             Column("saturated_frac", "f4", GROWS),  # per site: share of saturated outputs
         ],

@@ -29,7 +29,10 @@ def parameter_table(ctx: Context) -> Table:
     # gradient norm was finite instead, and say how many came after it. Only that row is read.
     i = _last_finite_row(rt.total_grad_norm.to_numpy())
     at = int(rt.step_index[i])
-    g, gmax, w = (read_or_none(lambda s=s: rt.param_stat(s, rows=[i])) for s in ("grad_norm", "grad_absmax", "param_norm"))
+    g = read_or_none(lambda: rt.param_stat("grad_norm", rows=[i]))
+    # max |g| and the weight norm are measured on watched steps: the last one up to step i.
+    gmax, w = (read_or_none(lambda s=s: _last_measured(rt.param_stat(s, rows=slice(max(0, i - LOOK_BACK), i + 1))))
+               for s in ("grad_absmax", "param_norm"))
     sampled = read_or_none(lambda: rt.sample_steps("updates"))
     k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
     upd = read_or_none(lambda: rt.update_ratio(rows=[k])) if k >= 0 else None
@@ -157,9 +160,9 @@ def module_table(ctx: Context) -> Table:
     cols = ("module", "type", "max |output|", "output mean", "output std", "zero share", "dead units")
     if rt.n_steps == 0 or not rt.module_names:
         return Table(title, "No module statistics were recorded.", cols, [], (False,) * len(cols))
-    all_finite = np.zeros(rt.n_steps, dtype=bool)
+    all_finite = np.zeros(rt.n_steps, dtype=bool)  # and measured (watched)
     for a, block in rt.blocks("modules/output_absmax"):
-        all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1)
+        all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1) & (block >= 0).any(axis=1)
     i = _last_finite_row(np.where(all_finite, 0.0, np.nan))
     at = int(rt.step_index[i])
     out = rt.module_stat(rows=[i])
@@ -294,6 +297,18 @@ def _last_finite_row(x: np.ndarray) -> int:
     """The last row whose value is finite, else the last row."""
     ok = np.flatnonzero(np.isfinite(x))
     return int(ok[-1]) if ok.size else len(x) - 1
+
+
+# Rows looked back for the last watched step (every activations_every-th: 10 by default).
+LOOK_BACK = 256
+
+
+def _last_measured(frame):
+    """The last row of a statistic measured on watched steps only (-1 elsewhere), as a one-row
+    frame; empty if none of these rows was measured."""
+    v = frame.to_numpy(dtype=np.float64)
+    ok = np.flatnonzero(((v >= 0) | ~np.isfinite(v)).any(axis=1))
+    return frame.iloc[ok[-1:]]
 
 
 def _at(frame, i: int, j: int) -> str:

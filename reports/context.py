@@ -13,7 +13,7 @@ import pandas as pd
 from ..analyzer.config import AnalysisConfig
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
-from ..analyzer.trace import RankTrace, Trace
+from ..analyzer.trace import UNMEASURED_IS_NEGATIVE, RankTrace, Trace
 from . import plots
 from .model import Figure
 
@@ -76,7 +76,7 @@ class Context:
 
     def dead_shares(self, rt: RankTrace) -> pd.DataFrame | None:
         """Windows x activation sites: the share of each site's units never positive in the
-        window (NaN where the site ran in under half of the window's steps). Index: the
+        window (NaN where the site ran in under half of the window's watched steps). Index: the
         window's last step; ``attrs["window_starts"]``: its first. Streams over windows: memory
         bounded by the number of units."""
         return self._cached((rt.rank, "dead"), lambda: _dead_shares(rt))
@@ -173,7 +173,11 @@ def first_nonfinite(frame: pd.DataFrame, columns, after: float | None = None) ->
 def _per_step(rt: RankTrace, name: str, columns, span, read_rows) -> pd.DataFrame:
     rows = rt.rows_in_span(*span) if span is not None else slice(0, rt.n_steps)
     if rows.stop - rows.start <= FIGURE_STEPS:
-        return read_rows(rows)
+        frame = read_rows(rows)
+        if name in UNMEASURED_IS_NEGATIVE:  # only the steps it was measured on (watched steps)
+            v = frame.to_numpy(dtype=np.float64)
+            frame = frame[((v >= 0) | ~np.isfinite(v)).any(axis=1)]
+        return frame
     return _envelope(rt, name, rt.step_index, rows, columns)
 
 
@@ -204,12 +208,12 @@ def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
     a = sites["bit_offset"].to_numpy(dtype=np.int64)
     b = a + sites["units"].to_numpy(dtype=np.int64)
     rows, starts, ends = [], [], []
-    for start, end, seen, bits, _ in rt.activity_windows():
-        length = end - start + 1
+    for start, end, seen, bits, _, watched in rt.activity_windows():
+        length = watched  # the steps of the window its sites could be seen on
         alive = np.concatenate([[0], np.cumsum(bits)])
         seen = np.asarray(seen, dtype=np.float64)
         seen_j = np.where(np.arange(len(a)) < len(seen), np.resize(seen, len(a)) if len(seen) else 0.0, 0.0)
-        ok = (seen_j >= 0.5 * length) & (b > a)
+        ok = (seen_j >= 0.5 * length) & (b > a) & (length > 0)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = 1.0 - (alive[np.minimum(b, len(bits))] - alive[np.minimum(a, len(bits))]) / (b - a)
         rows.append(np.where(ok, share, np.nan))

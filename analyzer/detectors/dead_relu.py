@@ -3,8 +3,8 @@
 Data: per activation call site (an nn.ReLU module, or F.relu/torch.relu called inside some
 module's forward; also ReLU6, LeakyReLU, GELU), one bit per unit and window: was the output
 ever positive (activity/, written every `activity_window` steps). Heuristic: in the latest
-window, the share of units whose bit is 0 (among sites seen in at least `min_seen_share` of
-the window's steps). At `warning_share` or more it is a warning, at `error_share` an error.
+window, the share of units whose bit is 0 (among sites seen in at least `min_seen_share` of the
+window's watched steps: the recorder hooks the modules every `activations_every`-th step). At `warning_share` or more it is a warning, at `error_share` an error.
 Each dead unit is dead since initialisation (never positive in any window) or died at a step
 (the first window after its last positive one). For LeakyReLU the units only leak (gradient
 times the slope, noted); GELU is reported only when its outputs are pinned at or below zero,
@@ -60,11 +60,11 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     first_cross = np.full(len(sites), -1, dtype=np.int64)
     site_rows = sites.index.to_numpy()
     latest = None
-    for start, end, seen, bits, _ in rt.activity_windows():
-        length = end - start + 1
+    for start, end, seen, bits, _, watched in rt.activity_windows():
+        length = watched  # the steps of the window its sites could be seen on
         site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
             if len(seen) else np.zeros(len(sites))
-        judged = site_seen >= cfg.min_seen_share * length
+        judged = (site_seen >= cfg.min_seen_share * length) & (length > 0)
         ours = bits[:len(bit_of_unit)] if contiguous else bits[bit_of_unit]
         alive = ours & judged[site_of_unit]
         last_alive_end[alive] = end

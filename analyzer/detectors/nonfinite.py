@@ -7,6 +7,12 @@ step, the first module whose output was non-finite while its inputs were finite
 forward pass was clean, the first parameter the backward pass reached (the last in definition
 order) with a non-finite gradient is named; if gradients were clean but weights went
 non-finite after the update, the optimizer is.
+
+Module outputs are checked on the steps the recorder watches (every `activations_every`-th); a
+bad step it did not watch is run again on a copy of the model to find the module (the black
+box's replay). If that replay did not reproduce the NaN/Inf (the forward depends on state the
+step changed outside the model's parameters, buffers and RNG), the step's module outputs were
+never checked (-1) and the finding says so instead of blaming the loss.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ _ADVICE = {
     "backward": "The gradient is non-finite while the forward pass was finite: an operation whose "
                 "derivative is unbounded at its input (sqrt or pow at 0, norm of a zero vector, acos "
                 "at +-1), or a gradient overflow under fp16 (use a GradScaler). Clip or add eps.",
+    "unchecked": "Record again with Recorder(..., activations_every=1), which checks every module's "
+                 "output on every step, to name the module where the NaN/Inf was born.",
     "optimizer": "Gradients were finite but the weights went non-finite after the update: a learning "
                  "rate too high, an optimizer eps of 0, or a division by a zero state.",
 }
@@ -68,6 +76,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         "total_grad_norm_before": float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
     }
     mods_bad = rt.module_stat(rows=[i]).to_numpy()[0]
+    checked = bool(((mods_bad >= 0) | ~np.isfinite(mods_bad)).any())  # -1 everywhere: not checked
     bad_modules = [rt.module_names[j] for j in np.flatnonzero(~np.isfinite(mods_bad))]
     evidence["modules_with_nonfinite_output"] = len(bad_modules)
     bad_params = np.flatnonzero(grad_bad)
@@ -83,6 +92,11 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         what = (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {step}: its "
                 f"output was non-finite while its inputs were finite")
         evidence["origin_module_output_absmax"] = float(mods_bad[origin[i]])
+    elif loss_bad[i] and not checked:
+        stage, where = "unchecked", []
+        what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, a step whose module outputs were not "
+                f"checked (the recorder watches every module on sampled steps, and its replay of this step "
+                f"on a copy of the model did not reproduce the NaN/Inf)")
     elif loss_bad[i]:
         stage, where = "loss", []
         what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"

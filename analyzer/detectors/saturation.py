@@ -32,7 +32,7 @@ def detect(rt: RankTrace, cfg: SaturationConfig) -> list[Finding]:
     if len(sites) == 0:
         return []
     history = {int(i): [] for i in sites.index}
-    for start, end, _, _, frac in rt.activity_windows():
+    for start, end, _, _, frac, _ in rt.activity_windows():
         for i in history:
             history[i].append((start, end, float(frac[i]) if i < len(frac) else np.nan))
     findings = []

@@ -10,13 +10,18 @@ import numpy as np
 
 from ..errors import TraceFormatError
 
-SCHEMA_VERSION = 1
+# 2: module outputs, weight norms and gradient max |g| are measured on watched steps only (-1
+# elsewhere: not measured); activity windows say how many of their steps were watched.
+SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
 
 PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
 MODULE_STATS = ("output_absmax",)
+# Per-step datasets where -1 means "not measured on this step" (every real value is >= 0):
+# readers that reduce or draw them skip those entries.
+UNMEASURED_IS_NEGATIVE = ("modules/output_absmax", "params/param_norm", "params/grad_absmax")
 ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
 HIST_KINDS = ("weight", "grad", "activation")
 # Tables written once per step: their rows line up, one per step.

@@ -13,6 +13,7 @@ import pandas as pd
 
 from ..errors import SchemaVersionError, TraceFormatError
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
+                     UNMEASURED_IS_NEGATIVE,
                      _PER_STEP_TABLES, _attr, _open, _strings, _texts)
 from .memory_tables import MemoryTables
 from .stored_tensors import StoredTensors
@@ -239,20 +240,25 @@ class RankTrace(MemoryTables, StoredTensors):
 
     def activity_windows(self):
         """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
-        saturated_frac per site), one window at a time, oldest first."""
+        saturated_frac per site, steps watched), one window at a time, oldest first. A site
+        is seen only on watched steps (schema 2: every activations_every-th step; before it,
+        every step of the window)."""
         cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
-        n = self._n_rows("activity", cols)
+        watched_col = self._has("activity/steps_watched")
+        n = self._n_rows("activity", cols + (("steps_watched",) if watched_col else ()))
         n_bits = int((self.activity_sites["bit_offset"] + self.activity_sites["units"]).max()) \
             if len(self.activity_sites) else 0
         # A block of windows at a time: a long run has tens of thousands of windows.
         for start in range(0, n, _WINDOWS_PER_READ):
             stop = min(n, start + _WINDOWS_PER_READ)
             t = {c: self._read_rows(f"activity/{c}", slice(start, stop), n)[1] for c in cols}
+            watched = self._read_rows("activity/steps_watched", slice(start, stop), n)[1] if watched_col else \
+                t["step_end"] - t["step_start"] + 1
             for i in range(stop - start):
                 bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
                 bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
                 yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
-                       bits[:n_bits].astype(bool), t["saturated_frac"][i])
+                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(watched[i]))
 
     @cached_property
     def attention_sites(self) -> pd.DataFrame:
@@ -362,9 +368,11 @@ class RankTrace(MemoryTables, StoredTensors):
         ``edges``: increasing row indices, bucket k = rows edges[k]:edges[k+1]; ``cols``: column
         indices (default all). Returns buckets x cols arrays: ``max`` and ``min`` of the finite
         values (NaN where none), ``nonfinite`` (some value NaN/Inf), ``inf`` (some value +-Inf),
-        ``positive_max`` (the
-        largest finite value > 0, NaN where none: for log scales).
+        ``positive_max`` (the largest finite value > 0, NaN where none: for log scales). In
+        the datasets where -1 means "not measured" (format.UNMEASURED_IS_NEGATIVE) those
+        entries are skipped.
         """
+        unmeasured = name in UNMEASURED_IS_NEGATIVE
         edges = np.unique(np.asarray(edges, dtype=np.int64))
         nb = len(edges) - 1
         width = len(cols) if cols is not None else None
@@ -384,6 +392,8 @@ class RankTrace(MemoryTables, StoredTensors):
             starts = np.maximum(edges[k0:k1] - a, 0)
             finite = np.isfinite(v)
             fv = np.where(finite, v, np.nan)
+            if unmeasured:  # -1: not measured (or module not called) on that step
+                fv[fv < 0] = np.nan
             with np.errstate(invalid="ignore"):
                 hi = np.fmax.reduceat(fv, starts, axis=0)
                 lo = np.fmin.reduceat(fv, starts, axis=0)

@@ -30,6 +30,8 @@ def phrase(fs: list[Finding]) -> Text:
         return text(f"the input batch of {at} held NaN/Inf")
     if stage == "loss":
         return text(f"the loss went NaN/Inf at {at} while every module output was finite")
+    if stage == "unchecked":
+        return text(f"the loss went NaN/Inf at {at}, a step whose module outputs were not checked")
     if stage == "backward" and f.where:
         return text("the gradient of ", name(f.where[0]), f" went NaN/Inf at {at} in the backward pass")
     if stage == "optimizer":
@@ -91,8 +93,8 @@ def _forward(ctx, f, rt, span, note) -> Figure:
              for c in cols]
     crosses = first_nonfinite(frame, cols)
     caption = (f"Largest |output| of {name_text(f.where[0])}, where NaN/Inf was born (thick), and of "
-               f"the {len(near)} leaf modules defined nearest to it, per step, log scale. Red crosses on "
-               f"the top edge mark each module's first non-finite output; the lines stop there. The "
+               f"the {len(near)} leaf modules defined nearest to it, on the steps the recorder checked them "
+               f"(the steps it watched, and the bad step), log scale. Red crosses on the top edge mark each module's first non-finite output; the lines stop there. The "
                f"dotted line marks {step(f.step)}.{note}")
     return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="max |output|",
                   marks=ctx.marks(only=f), xspan=span, nonfinite_at=crosses)

@@ -4,6 +4,8 @@ params/grad_nonfinite counts non-finite gradient elements exactly."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -17,14 +19,18 @@ NAN_STEP = 5
 
 
 class NaNAt(nn.Module):
-    """Passes its input through, except on its NAN_STEP-th call, where it multiplies by NaN."""
+    """Passes its input through, except on its NAN_STEP-th call, where it multiplies by NaN.
+
+    Its call counter is a buffer: model state, which a replay of the step starts from (a Python
+    attribute counted by the forward itself would not be, see test_unreproducible_nan_...)."""
 
     def __init__(self, at=NAN_STEP, inplace=False):
         super().__init__()
-        self.at, self.inplace, self.calls = at, inplace, 0
+        self.at, self.inplace = at, inplace
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
-        if self.calls == self.at:
+        if int(self.calls) == self.at:
             x = x.mul_(float("nan")) if self.inplace else x * float("nan")
         self.calls += 1
         return x
@@ -48,14 +54,26 @@ class ParentMakesNaN(nn.Module):
         super().__init__()
         self.a = nn.Linear(8, 8)
         self.b = nn.Linear(8, 8)
-        self.inplace, self.calls = inplace, 0
+        self.inplace = inplace
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         h = self.a(x)
-        if self.calls == NAN_STEP:
+        if int(self.calls) == NAN_STEP:
             h = h.mul_(float("nan")) if self.inplace else h * float("nan")
         self.calls += 1
         return self.b(h)
+
+
+# Every module is hooked on watched steps only (every activations_every-th, 10 by default): at
+# NAN_STEP the default recorder finds the origin by replaying the step on a copy of the model;
+# with activations_every=1 the step is watched and its own hooks find it. Both must agree.
+HOW = {"replayed": {}, "watched": {"activations_every": 1}}
+
+
+@pytest.fixture(params=sorted(HOW))
+def how(request):
+    return HOW[request.param]
 
 
 def _train(model, run_dir, n_steps, batch_fn=None, before_step=None, **options):
@@ -93,9 +111,9 @@ def _nested_chain(producer):
     )
 
 
-def test_origin_is_the_producing_module_not_later_ones_nor_its_parent(tmp_path):
+def test_origin_is_the_producing_module_not_later_ones_nor_its_parent(tmp_path, how):
     model = _nested_chain(NaNAt())
-    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1)
+    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1, **how)
     assert mnames[mnames.index("1.1")] == "1.1" and type(model[1][1]) is NaNAt
     got = _origin_names(mnames, origin)
     assert got[:NAN_STEP] == [None] * NAN_STEP
@@ -107,39 +125,39 @@ def test_origin_is_the_producing_module_not_later_ones_nor_its_parent(tmp_path):
         assert np.isnan(absmax[NAN_STEP, i(n)]), n
 
 
-def test_origin_of_a_log_of_a_negative_value(tmp_path):
+def test_origin_of_a_log_of_a_negative_value(tmp_path, how):
     model = _nested_chain(LogOf())
     log = model[1][1]
 
     def before_step(step):
         log.shift = -1e3 if step == NAN_STEP else 10.0
 
-    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1, before_step=before_step)
+    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1, before_step=before_step, **how)
     got = _origin_names(mnames, origin)
     assert got == [None] * NAN_STEP + ["1.1"]
 
 
-def test_origin_is_the_parent_when_its_own_code_makes_the_nan(tmp_path):
+def test_origin_is_the_parent_when_its_own_code_makes_the_nan(tmp_path, how):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), ParentMakesNaN(), nn.ReLU(), nn.Linear(8, 2))
-    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1)
+    mnames, origin, _, absmax = _train(model, tmp_path / "run", NAN_STEP + 1, **how)
     got = _origin_names(mnames, origin)
     assert got == [None] * NAN_STEP + ["1"]
     assert np.isfinite(absmax[NAN_STEP, mnames.index("1.a")])
     assert np.isnan(absmax[NAN_STEP, mnames.index("1.b")])
 
 
-def test_origin_of_a_nan_from_the_root_forward_itself(tmp_path):
+def test_origin_of_a_nan_from_the_root_forward_itself(tmp_path, how):
     """The root's own forward code (no child produced it) is module index 0, name ''."""
     torch.manual_seed(0)
     model = ParentMakesNaN()
-    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", NAN_STEP + 1)
+    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", NAN_STEP + 1, **how)
     assert list(origin) == [-1] * NAN_STEP + [0] and mnames[0] == ""
     assert (batch_bad == 0).all()
 
 
 @pytest.mark.parametrize("where", ["child", "parent"])
-def test_origin_of_an_in_place_nan(tmp_path, where):
+def test_origin_of_an_in_place_nan(tmp_path, how, where):
     torch.manual_seed(0)
     if where == "child":
         model = _nested_chain(NaNAt(inplace=True))
@@ -147,11 +165,11 @@ def test_origin_of_an_in_place_nan(tmp_path, where):
     else:
         model = nn.Sequential(nn.Linear(8, 8), ParentMakesNaN(inplace=True), nn.ReLU(), nn.Linear(8, 2))
         expected = "1"
-    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1)
+    mnames, origin, _, _ = _train(model, tmp_path / "run", NAN_STEP + 1, **how)
     assert _origin_names(mnames, origin) == [None] * NAN_STEP + [expected]
 
 
-def test_nan_in_the_input_batch(tmp_path):
+def test_nan_in_the_input_batch(tmp_path, how):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
@@ -160,7 +178,7 @@ def test_nan_in_the_input_batch(tmp_path):
             x[1, 2] = float("nan")
         return x
 
-    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", 6, batch_fn=batch_fn)
+    mnames, origin, batch_bad, _ = _train(model, tmp_path / "run", 6, batch_fn=batch_fn, **how)
     assert list(batch_bad) == [0, 0, 0, 1, 0, 0]
     assert list(origin[:3]) == [-1, -1, -1]
     assert origin[3] != -1  # something went non-finite at step 3 ...
@@ -282,23 +300,112 @@ def test_module_returning_minus_inf_mask_is_not_a_nonfinite_origin(tmp_path):
     assert (origin == -1).all(), [mnames[i] for i in origin]
 
 
-def test_overflowing_norm_of_finite_gradients_is_not_nonfinite(tmp_path):
+@pytest.mark.parametrize("at", [0, 3])  # a watched step, and one that is not
+def test_overflowing_norm_of_finite_gradients_is_not_nonfinite(tmp_path, at):
     """Finite gradient elements (1e20) whose float32 norm overflows: the stored norm is finite
     (recomputed), grad_absmax exact, and nothing is counted as non-finite."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 1))
-    model[0].weight.register_hook(lambda g: torch.full_like(g, 1e20))
+    state = {"step": 0}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, 1e20) if state["step"] == at else g)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with Recorder(model, tmp_path / "run") as rec:
-        loss = model(torch.randn(2, 4)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rec.step(loss=loss)
+        for step in range(at + 1):
+            state["step"] = step
+            loss = model(torch.randn(2, 4)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
         assert not torch.isfinite(torch.linalg.vector_norm(model[0].weight.grad))  # f32 overflows
         ref = torch.linalg.vector_norm(model[0].weight.grad, dtype=torch.float64).item()
     with open_trace(tmp_path / "run" / "rank0.h5") as f:
         k = names(f["params/name"]).index("0.weight")
-        np.testing.assert_allclose(f["params/grad_norm"][0, k], ref, rtol=1e-5)
-        np.testing.assert_allclose(f["params/grad_absmax"][0, k], 1e20, rtol=1e-6)
-        assert (f["params/grad_nonfinite"][0] == 0).all()
+        np.testing.assert_allclose(f["params/grad_norm"][at, k], ref, rtol=1e-5)
+        np.testing.assert_allclose(f["params/grad_absmax"][at, k], 1e20, rtol=1e-6)
+        assert (f["params/grad_nonfinite"][:] == 0).all()
+        assert "blackbox" not in f or len(f["blackbox/step"]) == 0  # not a failure: nothing fired
+
+
+class DropoutNaN(nn.Module):
+    """Dropout, BatchNorm and a NaN born at NAN_STEP: the replay must restore the step's RNG
+    and buffers on its copy, and leave the training's own untouched."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.drop = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)
+        self.nan, self.b = NaNAt(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.nan(self.drop(self.bn(self.a(x)))))
+
+
+def _dropout_run(run_dir):
+    torch.manual_seed(0)
+    model = DropoutNaN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    rec = Recorder(model, run_dir) if run_dir is not None else None
+    for step in range(NAN_STEP + 3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rec is not None:
+            rec.step(loss=loss)
+        losses.append(loss.item())
+    if rec is not None:
+        rec.close()
+    return model, losses, torch.get_rng_state()
+
+
+def test_replay_finds_the_origin_and_leaves_the_training_as_it_was(tmp_path):
+    model, losses, rng = _dropout_run(tmp_path / "run")
+    bare, bare_losses, bare_rng = _dropout_run(None)
+    # Training unchanged: losses (NaN from NAN_STEP on), RNG stream, weights and BatchNorm state.
+    np.testing.assert_array_equal(losses, bare_losses)
+    assert np.isnan(losses[NAN_STEP]) and np.isfinite(losses[:NAN_STEP]).all()
+    assert torch.equal(rng, bare_rng)
+    for (n, a), (_, b) in zip(model.state_dict().items(), bare.state_dict().items()):
+        assert torch.equal(a, b) or (torch.isnan(a).all() and torch.isnan(b).all()), n
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        mnames = names(f["modules/name"])
+        origin = f["steps/nonfinite_origin"][:]
+        absmax = f["modules/output_absmax"][:]
+        detail = f["blackbox/detail"][0].decode()
+    assert [mnames[i] if i >= 0 else None for i in origin[:NAN_STEP + 1]] == [None] * NAN_STEP + ["nan"]
+    assert "reproduced: module 'nan'" in detail
+    # The replayed step's module outputs are in the trace: finite up to the dropout, NaN from "nan" on.
+    i = mnames.index
+    assert (absmax[NAN_STEP, [i("a"), i("bn"), i("drop")]] >= 0).all()
+    assert np.isnan(absmax[NAN_STEP, [i("nan"), i("b"), i("")]]).all()
+    assert (absmax[1:NAN_STEP] == -1).all()  # steps 1-4: not watched, not bad: not measured
+
+
+class PythonCountedNaN(nn.Module):
+    """A NaN that depends on a Python attribute the forward itself counts: a copy of the model
+    taken after the step's forward has counted past it, so the replay cannot reproduce it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 2), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (float("nan") if self.calls == NAN_STEP + 1 else 1.0)
+
+
+def test_unreproducible_nan_is_reported_as_unchecked_not_blamed_on_the_loss(tmp_path):
+    from tests.helpers import run_cli
+
+    torch.manual_seed(0)
+    _train(PythonCountedNaN(), tmp_path / "run", NAN_STEP + 2)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        assert f["steps/nonfinite_origin"][NAN_STEP] == -1
+        assert "not reproduced" in f["blackbox/detail"][0].decode()
+    out = tmp_path / "f.json"
+    r = run_cli("analyze", tmp_path / "run", "--json", out)
+    assert r.returncode == 0, r.stderr
+    f = next(x for x in json.loads(out.read_text())["findings"] if x["kind"] == "nonfinite")
+    assert f["step"] == NAN_STEP and f["evidence"]["stage"] == "unchecked"
+    assert "activations_every=1" in f["advice"]

@@ -75,7 +75,8 @@ def test_internal_error_mid_run_warns_once_keeps_training_and_earlier_steps(tmp_
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Recorder(model, tmp_path / "run", flush_every_s=0.2) as rec:
+        # activations_every=1: every step is watched, so the module checks meet Boom at step 3.
+        with Recorder(model, tmp_path / "run", flush_every_s=0.2, activations_every=1) as rec:
             for s in range(8):
                 x, y = batch("mlp", s)
                 loss = F.cross_entropy(model(x).as_subclass(torch.Tensor), y)

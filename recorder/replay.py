@@ -1,0 +1,78 @@
+"""Find the module where a NaN/Inf was born by running the bad step's forward passes again.
+
+Every module is checked only on watched steps (hooks.py). When a step that was not watched turns
+out bad (a NaN/Inf loss or gradient, seen on that step by the loss and gradient norms), the
+black box still holds what that step's forward passes started from: the model's inputs, torch's
+RNG states and the buffers at the step's first forward, and (before the optimizer's update) the
+parameters themselves. Running those forward passes again on a copy of the model, with every
+module hooked, tells which module's output went non-finite while its inputs were finite, as a
+watched step would have.
+
+The user's model is never touched: the copy is a ``copy.deepcopy`` without any of the model's hooks
+(the user's or ours), it runs under ``no_grad`` inside ``torch.random.fork_rng`` (the
+training's RNG streams are left where they were), and it is dropped afterwards. It costs one
+copy of the model and one forward pass, once per run (the black box fires once). A model that
+cannot be deep-copied (a DistributedDataParallel wrapper, a module holding non-leaf tensors), or
+a copy that does not reproduce the NaN/Inf, leaves the origin to the next watched step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .hooks import ModuleWatcher
+from .stats import Packer
+
+def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list, buffer_copies: list) -> dict:
+    """Run the step's forward calls ``inputs`` [(args, kwargs), ...] on a copy of ``model`` whose
+    buffers are ``buffer_copies`` (the values of ``buffers`` at the step's first forward), from
+    the RNG states ``rng``; return the watcher's row for that step (output_absmax per module,
+    origin, batch_nonfinite), ``reproduced`` (it went non-finite again) and ``replay``: what
+    happened, in words. Only a reproduced row describes the step."""
+    if not inputs:
+        return {"replay": "no forward call of the model was seen on this step"}
+    memo = {id(t): c.clone() for (_, t), c in zip(buffers, buffer_copies)}
+    # The copy gets empty hook dicts: neither the user's hooks nor ours run on it, and the
+    # objects those hooks are bound to (this recorder, the user's loggers) are not copied.
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if "hooks" in k and isinstance(v, dict):
+                memo[id(v)] = type(v)()
+    try:
+        twin = copy.deepcopy(model, memo)
+    except Exception as e:
+        return {"replay": f"the model could not be copied ({type(e).__name__}: {e})"[:500]}
+    errors: list[BaseException] = []  # a failing check of the copy is reported, not raised
+    watcher = ModuleWatcher(twin, errors.append)
+    watcher.check_no_grad = True
+    watcher.watch(True)
+    first = next(iter(twin.parameters()), None)
+    cuda = first is not None and first.device.type == "cuda"
+    try:
+        with torch.random.fork_rng(devices=[first.device] if cuda else []):
+            if rng is not None:
+                torch.set_rng_state(rng["torch"])
+                if cuda and "cuda" in rng:
+                    torch.cuda.set_rng_state(rng["cuda"], first.device)
+            with torch.no_grad():
+                for args, kwargs in inputs:
+                    twin(*args, **kwargs)
+            pk = Packer()
+            watcher.pack(pk)
+            row = watcher.finish_step(pk.fetch(), len(watcher.names))
+    except Exception as e:
+        return {"replay": f"the replay raised {type(e).__name__}: {e}"[:500]}
+    finally:
+        watcher.remove()
+        del twin
+    if errors:
+        return {"replay": f"checking the copy failed ({type(errors[0]).__name__}: {errors[0]})"[:500]}
+    found = row["origin"] >= 0 or bool(row["batch_nonfinite"])
+    row["reproduced"] = found
+    row["replay"] = ("reproduced: " + (f"module {watcher.names[row['origin']]!r}" if row["origin"] >= 0
+                                      else "the input batch") if found else
+                     "not reproduced: every module output of the replayed forward was finite")
+    return row
