@@ -129,13 +129,20 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         g[:, early] *= growth[:, None]
         g[broken] = np.nan
         g = g.astype(f32)
+        # As the recorder measures them: max|g|, weight norms and module outputs on watched steps
+        # (every SAMPLE_EVERY-th; weight norms also on the step before), and on bad steps; -1
+        # (not measured) on the others.
+        watched = (steps % SAMPLE_EVERY == 0) | broken
+        w_measured = watched | ((steps + 1) % SAMPLE_EVERY == 0)
         w.write_columns("params", {
-            "grad_norm": g, "grad_absmax": (g * 0.1).astype(f32),
+            "grad_norm": g, "grad_absmax": np.where(watched[:, None], g * 0.1, -1).astype(f32),
             "grad_nonfinite": np.where(broken[:, None], 1000, 0).astype(np.int32) * np.ones((1, n_params), np.int32),
-            "param_norm": np.where(broken[:, None], np.nan, np.broadcast_to(weight, (n, n_params))).astype(f32),
+            "param_norm": np.where(broken[:, None], np.nan,
+                                   np.where(w_measured[:, None], np.broadcast_to(weight, (n, n_params)), -1)).astype(f32),
         })
         out = rng.uniform(0.5, 5, (n, n_modules))
         out[broken] = np.nan
+        out[~watched] = -1
         w.write_columns("modules", {"output_absmax": out.astype(f32)})
         _periodic(w, rng, steps, n_modules, len(relu_modules), len(att_modules), census, now)
         while window * PROFILE_EVERY + 10 < start + n:
@@ -184,7 +191,8 @@ def _periodic(w, rng, steps, n_modules, n_relu, n_att, census, now) -> None:
         bits[:, ::97] = False
         w.write_columns("activity", {
             "step_start": ends - ACTIVITY_WINDOW + 1, "step_end": ends,
-            "steps_seen": np.full((k, n_relu), ACTIVITY_WINDOW, np.int32),
+            "steps_seen": np.full((k, n_relu), ACTIVITY_WINDOW // SAMPLE_EVERY, np.int32),
+            "steps_watched": np.full(k, ACTIVITY_WINDOW // SAMPLE_EVERY, np.int32),
             "ever_positive": np.packbits(bits, axis=1, bitorder="little"),
             "saturated_frac": np.zeros((k, n_relu), np.float32)})
     at = steps[census > 0]

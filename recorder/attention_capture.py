@@ -11,6 +11,7 @@ probabilities are computed from the same inputs, under ``no_grad``, on a slice o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -122,10 +123,10 @@ class AttentionTracker:
         if not seen:
             return None
         n_sites = len(self.sites)
-        entropy = torch.full((self._heads,), float("nan")).numpy()
+        entropy = np.full(self._heads, np.nan, dtype=np.float32)
         max_w, sink = entropy.copy(), entropy.copy()
-        sim = torch.full((n_sites,), float("nan")).numpy()
-        keys = torch.zeros(n_sites, dtype=torch.int32).numpy()
+        sim = np.full(n_sites, np.nan, dtype=np.float32)
+        keys = np.zeros(n_sites, dtype=np.int32)
         stats, i = host["attn_stats"], 0
         for j, s in enumerate(seen):
             block = stats[i:i + 3 * s.heads].reshape(s.heads, 3)

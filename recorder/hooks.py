@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .histograms import histogram
-from .stats import Packer, activation_stats, floating_tensors
+from .stats import Packer, activation_stats, combine_stats, floating_tensors
 
 
 class ModuleWatcher:
@@ -67,6 +67,7 @@ class ModuleWatcher:
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
+        self._unmeasured = np.zeros(0, dtype=np.float32)  # the row of a step not watched: -1s
         self._reset()
 
     def current(self) -> list | None:
@@ -80,7 +81,9 @@ class ModuleWatcher:
         """Hook every module (a watched step), or only the root's timing (other steps)."""
         if on and not self.watching:
             for i, m in enumerate(self.modules):
-                self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i)))
+                # First of the module's pre-hooks (registered long after the others): they see
+                # this module as the one running (the attention capture's, for one).
+                self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i), prepend=True))
                 self._handles.append(m.register_forward_hook(self._make_hook(i)))
         elif not on and self.watching:
             for h in self._handles:
@@ -117,9 +120,23 @@ class ModuleWatcher:
         self._maxs: list[torch.Tensor] = []
         self._seen: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, pair, version)
         self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input pairs, output pairs)
-        self._acts: dict[int, torch.Tensor] = {}  # module -> summed activation_stats
+        self._acts: dict[int, list[int]] = {}  # module -> rows of _stats, one per call
+        self._stats: list[torch.Tensor] = []  # activation_stats of each distinct output tensor
+        self._stats_n: list[int] = []  # and its number of elements
+        self._stats_of: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, row, version)
         self._hists: dict[int, torch.Tensor] = {}  # module -> summed histogram counts
         self._sampled: set[int] = set()  # modules whose output was sampled this step
+
+    def _stats_row(self, x: torch.Tensor) -> int:
+        """Row of x's activation_stats, computed once per tensor (a container returns its last
+        child's output: the same tensor)."""
+        hit = self._stats_of.get(id(x))
+        if hit is not None and hit[0]() is x and hit[2] == x._version:
+            return hit[1]
+        self._stats.append(activation_stats(x))
+        self._stats_n.append(x.numel())
+        self._stats_of[id(x)] = (weakref.ref(x), len(self._stats) - 1, x._version)
+        return len(self._stats) - 1
 
     def remove(self) -> None:
         self.watch(False)
@@ -186,9 +203,7 @@ class ModuleWatcher:
                 if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
                     self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
                 if self.sample_activations:
-                    s = activation_stats(outs[0])
-                    prev = self._acts.get(index)
-                    self._acts[index] = s if prev is None else prev + s.to(prev.device)
+                    self._acts.setdefault(index, []).append(self._stats_row(outs[0]))
                 if self.sample_histograms and index in self.hist_modules:
                     h = histogram(outs[0])
                     prev = self._hists.get(index)
@@ -202,10 +217,13 @@ class ModuleWatcher:
         return hook
 
     def pack(self, packer: Packer) -> None:
+        if not self._mins:  # nothing checked: a step that was not watched
+            return
         packer.add("pair_min", self._mins)
         packer.add("pair_max", self._maxs)
-        if self._acts:
-            packer.add("acts", list(self._acts.values()))
+        if self._stats:
+            dev = self._stats[0].device
+            packer.add("acts", [t.to(dev) for t in self._stats])
         self._hist_keys = list(self._hists.keys())
         if self._hists:
             packer.add("hist_act", [h.to(self._mins[0].device if self._mins else h.device)
@@ -222,6 +240,13 @@ class ModuleWatcher:
 
     def finish_step(self, host: dict[str, np.ndarray], n_modules: int) -> dict:
         """Turn this step's host values into per-module rows; then forget the step."""
+        if not self._calls and not self._acts:  # not watched: nothing measured (-1)
+            if len(self._unmeasured) != n_modules:
+                self._unmeasured = np.full(n_modules, -1.0, dtype=np.float32)
+                self._unmeasured.flags.writeable = False
+            if self._seen or self._producers or self._hists or self.stack:
+                self._reset()
+            return {"output_absmax": self._unmeasured, "origin": -1, "batch_nonfinite": 0}
         mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
         absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
         # A tensor carries a fault if it holds NaN or +Inf. -Inf alone is how attention masks
@@ -257,19 +282,20 @@ class ModuleWatcher:
             "batch_nonfinite": int(batch_bad),
         }
         if self._acts:
-            acts = host["acts"].reshape(-1, 5)
-            stats = np.full((n_modules, 5), np.nan)
-            stats[list(self._acts.keys())] = acts
-            n, s, ss, zeros, bad = stats.T
-            mean = s / n
-            with np.errstate(invalid="ignore"):
-                std = np.sqrt(np.maximum(ss / n - mean * mean, 0.0) * n / np.maximum(n - 1, 1))
+            rows, numel = host["acts"].reshape(-1, 4), np.array(self._stats_n)
+            mean, std, zero = (np.full(n_modules, np.nan) for _ in range(3))
+            for m, calls in self._acts.items():
+                _, mean[m], std[m], zero[m] = combine_stats(numel[calls], rows[calls])
+            # NaN/Inf in the output: not counted (a pass more per output), only flagged: -2 for
+            # "held some"; 0 for none; -1 for a module not called.
+            called = out_absmax >= 0
+            held = ~np.isfinite(out_absmax)
             row["acts"] = {
                 "mean": mean.astype(np.float32),
                 "std": std.astype(np.float32),
                 "absmax": np.where(out_absmax < 0, np.nan, out_absmax).astype(np.float32),
-                "zero_frac": (zeros / n).astype(np.float32),
-                "nonfinite": np.minimum(np.nan_to_num(bad, nan=-1), 2**31 - 1).astype(np.int32),
+                "zero_frac": zero.astype(np.float32),
+                "nonfinite": np.where(held, -2, np.where(called, 0, -1)).astype(np.int32),
             }
         self._reset()
         return row

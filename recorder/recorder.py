@@ -6,6 +6,7 @@ import atexit
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import signal
@@ -37,21 +38,13 @@ from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 _MAX_SUMMARY_CHARS = 65536
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _f32(x: np.ndarray) -> np.ndarray:
-    """float32 for storage, finite values saturating at float32's max so that only a real
-    NaN/Inf is stored as one (a norm of 1e40 is stored as 3.4e38, not as Inf)."""
-    x = np.asarray(x, dtype=np.float64)
-    return np.where(np.isfinite(x), np.clip(x, -_F32_MAX, _F32_MAX), x).astype(np.float32)
-
-
 def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
     """Recompute in float64 the float32 norms that overflowed to Inf while every element was finite.
 
     Rare (elements above ~1e19): costs a second transfer on that step only.
     """
+    if np.isfinite(norms).all():
+        return norms
     over = [j for j in range(len(norms)) if np.isinf(norms[j]) and (absmax is None or np.isfinite(absmax[j]))]
     if not over:
         return norms
@@ -120,6 +113,7 @@ class Recorder:
         self.blackbox = None
         self._opt_hook = None
         self._norm_cache: dict[int, tuple] = {}  # param index -> (id(grad), grad version, norm)
+        self._opt_params = weakref.WeakKeyDictionary()  # optimizer -> (key, [(param index, param)])
         self._last_snapshot = -1
         self._loss_given = False
         self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
@@ -133,6 +127,9 @@ class Recorder:
         self._params = [p for _, p in named]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._param_name_by_id = {id(p): n for n, p in named}
+        self._unmeasured = np.full(len(self._params), -1.0)  # "not measured" row
+        self._no_bad_grads = np.zeros(len(self._params), dtype=np.int64)
+        self._unmeasured.flags.writeable = self._no_bad_grads.flags.writeable = False
         if self.config.sample_modules is not None:
             known = {n for n, _ in model.named_modules()}
             unknown = [m for m in self.config.sample_modules if m not in known]
@@ -148,7 +145,11 @@ class Recorder:
         except Exception as e:
             self._fail(e)
             return
+        # The weights as they were one step before a sampled update ratio, in buffers allocated
+        # once (a fresh 8 MB copy every 10 steps page-faulted: 2.7 ms on the MLP, measured).
+        self._w_buf: list[torch.Tensor] = []
         self._prev_weights = self._copy_weights() if self._params else None
+        self._prev_norm = None  # ||_prev_weights|| per tensor, when measured as they were taken
         self._install_signal_handlers()
         atexit.register(self._atexit)
 
@@ -262,26 +263,25 @@ class Recorder:
         if not self._active or self.blackbox is None or not self.blackbox.armed:
             return None
         try:
-            grads = []
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    i = self._param_index.get(id(p))
-                    if i is not None and p.grad is not None and not p.grad.is_sparse:
-                        grads.append((i, p.grad.detach()))
+            grads = [(i, g) for i, p in self._optimized(optimizer) if (g := p.grad) is not None and not g.is_sparse]
             if not grads:
                 return None  # not an optimizer of the watched model
             self._saw_optimizer = True
             with torch.no_grad():
                 norms = torch._foreach_norm([g for _, g in grads])
-                for (i, g), n in zip(grads, norms):
-                    self._norm_cache[i] = (id(self._params[i].grad), self._params[i].grad._version, n)
-                # The sum of the norms is finite iff every norm is: one scalar, one host sync.
-                total = Packer()
-                total.add("sum", torch.stack([n.to(norms[0].device, torch.float32) for n in norms]).sum())
-                if np.isfinite(total.fetch()["sum"]).all():
+                try:
+                    vec = torch.stack(norms)
+                except RuntimeError:  # norms of several dtypes or devices
+                    vec = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
+                values = vec.tolist()  # one host sync, here rather than at rec.step()
+                cache = self._norm_cache
+                for (i, g), v in zip(grads, values):
+                    cache[i] = (id(g), g._version, v)
+                # (plain Python: right after a training step a numpy call costs ~50 us, measured)
+                if all(math.isfinite(v) for v in values):
                     return None
-                # Rare from here on. A finite gradient whose float32 norm overflowed (or norms whose
-                # sum did) is not a failure: each gradient is checked.
+                # Rare from here on. A finite gradient whose float32 norm overflowed is not a
+                # failure: each gradient is checked.
                 bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
             if bad:
                 names = [self._param_names[i] for i in bad]
@@ -291,6 +291,18 @@ class Recorder:
         except Exception as e:
             self._fail(e)
         return None
+
+    def _optimized(self, optimizer) -> list[tuple[int, torch.Tensor]]:
+        """(index, parameter) of the watched model's parameters in an optimizer's groups; found
+        once per optimizer and again when its groups change."""
+        groups = optimizer.param_groups
+        key = (len(groups), sum(len(g["params"]) for g in groups))
+        hit = self._opt_params.get(optimizer)
+        if hit is None or hit[0] != key:
+            index = self._param_index
+            hit = (key, [(i, p) for g in groups for p in g["params"] if (i := index.get(id(p))) is not None])
+            self._opt_params[optimizer] = hit
+        return hit[1]
 
     def _replay(self) -> dict:
         """On a step that was not watched, find where its NaN/Inf was born by running its forward
@@ -505,38 +517,42 @@ class Recorder:
         cfg = self.config
         watched = self._watched
         pk = Packer()
-        with torch.no_grad():
-            if isinstance(loss, torch.Tensor):
-                pk.add("loss", loss.detach().reshape(-1)[:1])
+        with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
             grads = [p.grad for p in self._params]
             has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
-            present = [grads[i].detach() for i in has]
+            present = [grads[i] for i in has]
             # float32 norms (a float64 accumulation costs 13x on CPU, measured); a finite norm
             # above float32's range shows as Inf and is recomputed in float64 below.
+            cached = None  # the norms the optimizer step pre-hook computed, if it saw every gradient
             if present:
                 cache, self._norm_cache = self._norm_cache, {}
                 hits = [cache.get(i) for i in has]
                 if all(c is not None and c[0] == id(grads[i]) and c[1] == grads[i]._version
                        for c, i in zip(hits, has)):
-                    pk.add("grad_norm", [c[2] for c in hits])  # computed before the update, reused
+                    cached = np.array([c[2] for c in hits])
                 else:
                     pk.add("grad_norm", torch._foreach_norm(present))
                 if watched:
                     self._add_grad_range(pk, present)
-            if self._params:
-                weights = [p.detach() for p in self._params]
-                # Weight norms on watched steps, and on the step before an update ratio (its
-                # ||w_before||); other steps write -1 (not measured) unless they go bad.
-                if watched or self._is_sampled(step + 1, cfg.update_ratio_every):
+            # Weight norms on watched steps, and on the step before an update ratio (its
+            # ||w_before||); other steps write -1 (not measured) unless they go bad.
+            measure_w = watched or self._is_sampled(step + 1, cfg.update_ratio_every)
+            do_update = self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
+            update_den = None
+            weights = [p.detach() for p in self._params] if measure_w or do_update else None
+            if weights:
+                if measure_w:
                     pk.add("param_norm", torch._foreach_norm(weights))
                 # The model may have moved (model.to(device), .half()) since the copy was taken.
-                do_update = (self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
-                             and self._prev_weights[0].device == weights[0].device
+                do_update = (do_update and self._prev_weights[0].device == weights[0].device
                              and self._prev_weights[0].dtype == weights[0].dtype)
                 if do_update:
-                    delta = torch._foreach_sub(weights, self._prev_weights)
-                    pk.add("update_num", torch._foreach_norm(delta))
-                    pk.add("update_den", torch._foreach_norm(self._prev_weights))
+                    update_den = self._prev_norm
+                    if update_den is None:  # (the copy taken at the start)
+                        pk.add("update_den", torch._foreach_norm(self._prev_weights))
+                    # In place: the buffers become w_before - w_after.
+                    torch._foreach_sub_(self._prev_weights, weights)
+                    pk.add("update_num", torch._foreach_norm(self._prev_weights))
             hist = self.watcher.sample_histograms and bool(self._hist_params)
             if hist:
                 pk.add("hist_w", [histogram(self._params[i]) for i in self._hist_params])
@@ -548,8 +564,16 @@ class Recorder:
             if window_ends:
                 self.activity.pack(pk)
             self.attention.pack(pk)
+            if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
+                if pk.empty:
+                    loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
+                else:
+                    pk.add("loss", loss.detach().reshape(-1)[:1])
             host = pk.fetch()
-            loss_value = self._loss_value(loss, host)
+            if cached is not None:
+                host["grad_norm"] = cached
+            if not isinstance(loss, torch.Tensor) or "loss" in host:
+                loss_value = self._loss_value(loss, host)
 
             n_params = len(self._params)
             # A step whose loss or gradients went NaN/Inf is measured in full, watched or not (a
@@ -561,53 +585,63 @@ class Recorder:
                 if present:
                     self._add_grad_range(extra, present)
                 if self._params and "param_norm" not in host:
+                    weights = [p.detach() for p in self._params]
                     extra.add("param_norm", torch._foreach_norm(weights))
                 host.update(extra.fetch())
-            grad_norm = np.full(n_params, np.nan)
-            grad_absmax = np.full(n_params, np.nan if watched or bad_step else -1.0)  # -1: not measured
-            grad_bad = np.zeros(n_params, dtype=np.int64)  # exact NaN/Inf element counts
+            grad_norm = None if present and len(has) == n_params else np.full(n_params, np.nan)
+            grad_absmax = np.full(n_params, np.nan) if watched or bad_step else None  # None: not measured
+            grad_bad = self._no_bad_grads  # exact NaN/Inf element counts (a shared row of zeros)
             if present:
                 g_norm = host["grad_norm"]
                 g_absmax = np.maximum(np.abs(host["grad_min"]), np.abs(host["grad_max"])) if "grad_min" in host else None
-                # Only a non-finite norm can hide a NaN/Inf (a float32 norm may also overflow).
-                bad = [j for j in range(len(has)) if not np.isfinite(g_norm[j] if g_absmax is None else g_absmax[j])]
-                if bad:  # rare: count exactly, at the cost of another transfer on this step only
-                    counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
-                    grad_bad[[has[j] for j in bad]] = counts
-                g_norm = _exact_overflowed_norms(g_norm, g_absmax, present)
-                grad_norm[has] = g_norm
+                if bad_step or watched:
+                    # Only a non-finite max|g| (or norm: a float32 norm may also overflow) can
+                    # hide a NaN/Inf.
+                    bad = np.flatnonzero(~np.isfinite(g_norm if g_absmax is None else g_absmax)).tolist()
+                    if bad:  # rare: count exactly, at the cost of another transfer on this step only
+                        counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
+                        grad_bad = np.zeros(n_params, dtype=np.int64)
+                        grad_bad[[has[j] for j in bad]] = counts
+                    g_norm = _exact_overflowed_norms(g_norm, g_absmax, present)
+                if len(has) == n_params:
+                    grad_norm = g_norm
+                else:
+                    grad_norm[has] = g_norm
                 if g_absmax is not None:
                     grad_absmax[has] = g_absmax
-            param_norm = np.full(n_params, -1.0)  # -1: not measured on this step
-            if "param_norm" in host:
-                param_norm = _exact_overflowed_norms(host["param_norm"], None, weights)
+            param_norm = _exact_overflowed_norms(host["param_norm"], None, weights) if "param_norm" in host else None
 
-            # Weights to compare the next sampled update against: taken after this update.
+            # Weights to compare the next sampled update against: taken after this update, with
+            # their norms (measured on this step: ||w_before|| of the next).
             if self._params and self._is_sampled(step + 1, cfg.update_ratio_every):
                 self._prev_weights = self._copy_weights()
+                self._prev_norm = param_norm
             elif self._params and self._is_sampled(step, cfg.update_ratio_every):
-                self._prev_weights = None if cfg.update_ratio_every > 1 else self._prev_weights
+                self._prev_weights = self._prev_norm = None
 
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
         mods = self.watcher.finish_step(host, len(self.watcher.names))
         self._loss_given = loss is not None
-        if not watched and self._trigger(loss_value, grad_bad, mods) is not None:
+        if not watched and bad_step and self._trigger(loss_value, grad_bad, mods) is not None:
             self._replay()  # a NaN/Inf no optimizer step saw first: find its module now
         if self._replayed is not None and self._replayed.get("reproduced"):
             mods = {k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")}
         if self._params:
             self._device = self._params[0].device
-        alloc, reserved, peak = cuda_bytes(self._device)
+        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else (-1, -1, -1)
         rows = {
             "steps": {
                 "step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
                 "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
                 "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
             },
+            # float64 and int64 here: the writer thread stores them as float32/int32 (saturating)
             "params": {
-                "grad_norm": _f32(grad_norm), "grad_absmax": _f32(grad_absmax),
-                "grad_nonfinite": np.minimum(grad_bad, 2**31 - 1).astype(np.int32),
-                "param_norm": _f32(param_norm),
+                "grad_norm": grad_norm,
+                # -1: not measured on this step (one shared read-only row)
+                "grad_absmax": self._unmeasured if grad_absmax is None else grad_absmax,
+                "grad_nonfinite": grad_bad,
+                "param_norm": self._unmeasured if param_norm is None else param_norm,
             },
             "modules": {"output_absmax": mods["output_absmax"]},
         }
@@ -615,8 +649,8 @@ class Recorder:
             rows["activations"] = {"step": step, **mods["acts"]}
         if "update_num" in host:
             with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = host["update_num"] / host["update_den"]
-            rows["updates"] = {"step": step, "ratio": _f32(ratio)}
+                ratio = host["update_num"] / (host["update_den"] if "update_den" in host else update_den)
+            rows["updates"] = {"step": step, "ratio": ratio}
         if window_ends:
             rows["activity"] = self.activity.finish_window(step, host)
         if hist_act is not None:
@@ -646,9 +680,10 @@ class Recorder:
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
-        self._after_step(step, loss_value, grad_bad, mods)
+        self._after_step(step, loss_value, grad_bad, mods,
+                         bad_step or mods["origin"] >= 0 or bool(mods["batch_nonfinite"]))
 
-    def _after_step(self, step: int, loss_value: float, grad_bad, mods) -> None:
+    def _after_step(self, step: int, loss_value: float, grad_bad, mods, bad: bool) -> None:
         """Sampled tensors, the next snapshot, and the black box if this step broke without an
         optimizer step seeing it (NaN loss or output with finite gradients, a manual update)."""
         if self.samples is not None:
@@ -656,7 +691,7 @@ class Recorder:
             if task is not None:
                 self.writer.put_task(task)
         bb = self.blackbox
-        trigger = self._trigger(loss_value, grad_bad, mods)
+        trigger = self._trigger(loss_value, grad_bad, mods) if bad else None
         if trigger is not None:
             self._fire(bb.capture(step, trigger, "end_of_step", extra={
                 "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
@@ -753,10 +788,16 @@ class Recorder:
             return None
         return task
 
-    def _copy_weights(self):
-        # One copy of the weights, taken every update_ratio_every steps for the update ratio.
+    def _copy_weights(self) -> list[torch.Tensor]:
+        """The weights now, copied into _w_buf (allocated again only if the model moved)."""
         with torch.no_grad():
-            return torch._foreach_mul([p.detach() for p in self._params], 1.0)
+            weights = [p.detach() for p in self._params]
+            buf = self._w_buf
+            if len(buf) != len(weights) or any(b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
+                                               for b, w in zip(buf, weights)):
+                self._w_buf = buf = [torch.empty_like(w) for w in weights]
+            torch._foreach_copy_(buf, weights)
+            return buf
 
     # -- errors and shutdown ------------------------------------------------------------------
     def _fail(self, e: BaseException) -> None:
@@ -846,6 +887,7 @@ class Recorder:
                     **({"snapshot_note": self.snapshots.skipped} if self.snapshots and self.snapshots.skipped else {}),
                 })
             self._prev_weights = None
+            self._w_buf = []
             if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():
                 if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                     signal.signal(signal.SIGTERM, self._prev_sigterm)

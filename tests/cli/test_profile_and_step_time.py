@@ -119,7 +119,9 @@ class OneSlowShard(Sleepy):
 
 def test_one_slow_batch_is_a_slow_step_in_the_data_phase(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    # Compute that outweighs reading a batch (64 __getitem__ calls, ~1 ms): a tinier model
+    # would be data-bound at every step, a real bottleneck.
+    model = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with Recorder(model, tmp_path / "run", profile_steps=0) as rec:
         for step, (x, y) in enumerate(DataLoader(OneSlowShard(0.0), batch_size=64)):
