@@ -133,8 +133,9 @@ class ModuleWatcher:
         hit = self._stats_of.get(id(x))
         if hit is not None and hit[0]() is x and hit[2] == x._version:
             return hit[1]
-        self._stats.append(activation_stats(x))
-        self._stats_n.append(x.numel())
+        stats, n = activation_stats(x)
+        self._stats.append(stats)
+        self._stats_n.append(n)
         self._stats_of[id(x)] = (weakref.ref(x), len(self._stats) - 1, x._version)
         return len(self._stats) - 1
 

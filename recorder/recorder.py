@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime as _dt
 import gc
 import json
@@ -121,6 +122,9 @@ class Recorder:
         # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
         self._watched = False
         self._replayed: dict | None = None
+        self._next_watch = 0  # the next step whose modules are all hooked (_plan_watch)
+        self._t_last_step: float | None = None
+        self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent unwatched step times
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -353,16 +357,36 @@ class Recorder:
         """Tell the hooks what the coming step records, and hook every module if it records
         anything per module (a watched step; other steps hook only the root, see hooks.py)."""
         w = self.watcher
-        w.sample_activations = self._is_sampled(step, self.config.activations_every)
+        w.sample_activations = self.attention.sampled = step >= self._next_watch
         w.sample_histograms = bool(self.config.histogram_every) and self._is_sampled(step, self.config.histogram_every)
         w.sample_tensors = self.samples is not None and self.samples.due(step)
-        self.attention.sampled = self._is_sampled(step, self.config.attention_every)
-        self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors or self.attention.sampled
+        self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
         w.watch(self._watched)
         self._replayed = None
         self.activity.step = self.attention.step = step
         if self._watched:
             self.activity.steps_watched += 1
+
+    def _plan_watch(self, step: int) -> None:
+        """After a step: time it, and after a watched step choose the next (see the config's
+        watch_budget): the configured gap, widened until watched steps cost at most
+        watch_budget of the training time, judged by what this one cost over a plain step."""
+        now = time.perf_counter()
+        took = now - self._t_last_step if self._t_last_step is not None else None
+        self._t_last_step = now
+        cfg = self.config
+        if not self.watcher.sample_activations:
+            if took is not None:
+                self._plain_s.append(took)
+            return
+        base = min(cfg.activations_every, cfg.attention_every)
+        gap = base
+        if step + 1 >= cfg.watch_warmup and took is not None and len(self._plain_s) >= 3:
+            plain = sorted(self._plain_s)[len(self._plain_s) // 2]
+            extra = max(0.0, took - plain)
+            need = int(math.ceil(extra / (cfg.watch_budget * max(plain, 1e-9))))
+            gap = max(base, -(-need // base) * base)  # a multiple of the configured gap
+        self._next_watch = step + gap
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
     def on_activation(self, fn, args, kwargs, out) -> None:
@@ -502,6 +526,8 @@ class Recorder:
                 self._record_step(loss, time.perf_counter())
             except Exception as e:
                 self._fail(e)
+        if self._active:
+            self._plan_watch(self._step)
         self._step += 1
         if self._active:
             self._set_schedule(self._step)

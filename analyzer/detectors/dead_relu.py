@@ -59,7 +59,12 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     last_alive_start = np.full(len(bit_of_unit), -1, dtype=np.int64)
     first_cross = np.full(len(sites), -1, dtype=np.int64)
     site_rows = sites.index.to_numpy()
-    latest = None
+    # Per site, its latest judged window (a window with no watched step judges nothing):
+    # start, end, dead share; and per unit, whether it was alive in it.
+    lat_start = np.full(len(sites), -1, dtype=np.int64)
+    lat_end = np.full(len(sites), -1, dtype=np.int64)
+    lat_share = np.full(len(sites), np.nan)
+    lat_alive = np.zeros(len(bit_of_unit), dtype=bool)
     for start, end, seen, bits, _, watched in rt.activity_windows():
         length = watched  # the steps of the window its sites could be seen on
         site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
@@ -75,17 +80,16 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         crossed = judged & (share >= cfg.warning_share)
         first_cross = np.where(crossed & (first_cross < 0), start, first_cross)
         first_cross = np.where(judged & ~crossed, -1, first_cross)  # recovered: only a share lasting to the end counts
-        latest = (start, end, judged, alive, share)
-    if latest is None:
-        return []
+        lat_start[judged], lat_end[judged], lat_share[judged] = start, end, share[judged]
+        lat_alive = np.where(judged[site_of_unit], alive, lat_alive)
 
     findings = []
-    start, end, judged, alive_all, shares = latest
     for j, row in enumerate(sites.itertuples()):
-        if not judged[j] or shares[j] < cfg.warning_share:
+        if lat_end[j] < 0 or lat_share[j] < cfg.warning_share:
             continue
+        start, end = int(lat_start[j]), int(lat_end[j])
         u = slice(bounds[j], bounds[j + 1])
-        alive, share = alive_all[u], float(shares[j])
+        alive, share = lat_alive[u], float(lat_share[j])
         dead = ~alive
         from_init = dead & ~ever_alive[u]
         died = dead & ever_alive[u]
