@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .stats import stats_part
+
 LO_EXP = -40  # smallest magnitude with a bin of its own: 2**-40 (~9.1e-13)
 HI_EXP = 8  # magnitudes from 2**8 (256) up share the outermost bin
 PER_OCTAVE = 2
@@ -65,12 +67,20 @@ def bin_edges() -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-def histogram(x: torch.Tensor) -> torch.Tensor:
+# A tensor with more elements is histogrammed over its first rows (stats.stats_part): the
+# distribution of a weight matrix or a batch's activations, from 262,144 of its elements. All of
+# the small transformer's weights, gradients and outputs took ~50 ms per histogram step on one
+# core, ~0.6% of its training at every 100 steps (measured).
+HIST_MAX_ELEMENTS = 1 << 18
+
+
+def histogram(x: torch.Tensor, max_elements: int = HIST_MAX_ELEMENTS) -> torch.Tensor:
     """Counts of x's elements per bin (int64, N_BINS), on x's device; reads x, never writes it.
+    Of at most `max_elements` of them (the first rows: see HIST_MAX_ELEMENTS).
 
     float16 and bfloat16 are widened to float32 (exactly); float64 is narrowed, finite values
     saturating at float32's max so that only a real Inf lands in an Inf bin."""
-    x = x.detach().reshape(-1)
+    x = stats_part(x.detach(), max_elements)
     if x.dtype == torch.float64:
         x = torch.where(torch.isfinite(x), x.clamp(-_F32_MAX, _F32_MAX), x)
     if x.dtype != torch.float32:

@@ -771,10 +771,10 @@ class Recorder:
         }
 
     def _census(self, step: int, memory: int) -> tuple[dict, list[dict]]:
-        """Live tensor census on a sparse schedule that keeps its cost near 1% of training, and
-        also when memory (CUDA allocated, else RSS) climbs to a new high: 10% and 64 MiB above
-        the highest a census saw, at least 10 steps after the last one. So the trace knows what
-        held the memory near its peak."""
+        """Live tensor census on a sparse schedule that keeps its cost near census_budget of
+        training (0.3%), and also when memory (CUDA allocated, else RSS) climbs to a new high: 10%
+        and 64 MiB above the highest a census saw, at least 10 steps after the last one. So the
+        trace knows what held the memory near its peak."""
         none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
         now = time.perf_counter()
         self._step_times.append(now)
@@ -791,7 +791,7 @@ class Recorder:
         times = self._step_times[-21:]
         self._step_times = times
         gap = self.config.census_every
-        if len(times) > 1:  # keep the census near census_budget (1%) of the time of a step
+        if len(times) > 1:  # keep the census near census_budget of the time of a step
             step_s = (times[-1] - times[0]) / (len(times) - 1)
             gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
         self._next_census = max(self._next_census, step + gap)

@@ -80,13 +80,13 @@ def floating_tensors(obj, limit: int = 8):
 STATS_MAX_ELEMENTS = 1 << 18
 
 
-def stats_part(x: torch.Tensor) -> torch.Tensor:
-    """The first rows of x (or of its first row) with at most STATS_MAX_ELEMENTS elements, flat."""
-    if x.numel() <= STATS_MAX_ELEMENTS:
+def stats_part(x: torch.Tensor, limit: int = STATS_MAX_ELEMENTS) -> torch.Tensor:
+    """The first rows of x (or of its first row) with at most `limit` elements, flat."""
+    if x.numel() <= limit:
         return x.reshape(-1)
-    if x.dim() > 1 and x[0].numel() <= STATS_MAX_ELEMENTS:
-        return x[: STATS_MAX_ELEMENTS // x[0].numel()].reshape(-1)
-    return (x.reshape(-1) if x.is_contiguous() else x[0].reshape(-1))[:STATS_MAX_ELEMENTS]
+    if x.dim() > 1 and x[0].numel() <= limit:
+        return x[: limit // x[0].numel()].reshape(-1)
+    return (x.reshape(-1) if x.is_contiguous() else x[0].reshape(-1))[:limit]
 
 
 def activation_stats(x: torch.Tensor) -> tuple[torch.Tensor, int]:
