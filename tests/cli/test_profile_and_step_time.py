@@ -1,8 +1,11 @@
 """Step timing, profiler windows and a slow input pipeline, on real CPU runs, through the CLI."""
 
 import json
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -206,3 +209,35 @@ def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
     steps = load(tmp_path / "run").ranks[0].steps
     assert steps["gc_gen2"].loc[20] >= 3 and steps["gc_s"].loc[20] > 0.05
     del live
+
+
+def test_the_operator_table_matches_torch_key_averages():
+    """recorder/profiler.op_table (one sweep over the window's events, from kineto or from the
+    exported Chrome trace) gives what torch's key_averages() gives, at a fraction of its cost."""
+    from torchautopsy.recorder.profiler import op_table, window_events
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters())
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                  profile_memory=True)
+    prof.start()
+    for _ in range(2):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    prof.stop()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    ref = {e.key: e for e in prof.key_averages()}
+    from_kineto = {r["name"]: r for r in op_table(window_events(prof, path.read_bytes()))}
+    from_json = {r["name"]: r for r in op_table(window_events(object(), path.read_bytes()))}
+    assert json.loads(path.read_bytes())["traceEvents"]
+    for ours in (from_kineto, from_json):
+        for name in ("aten::addmm", "aten::mm", "aten::relu", "aten::pow", "Optimizer.step#Adam.step"):
+            r, e = ours[name], ref[name]
+            assert r["calls"] == e.count, name
+            assert r["cpu_self_us"] == pytest.approx(e.self_cpu_time_total, rel=0.01, abs=2), name
+            assert r["cpu_total_us"] == pytest.approx(e.cpu_time_total, rel=0.01, abs=2), name
+            assert r["cpu_memory_bytes"] == pytest.approx(e.self_cpu_memory_usage, rel=0.01, abs=256), name
