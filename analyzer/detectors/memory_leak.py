@@ -203,10 +203,13 @@ def _growing_group(rt) -> dict | None:
     if grow.empty:
         return None
     per_step = grow / max(last - first, 1)
+    # Of the groups that gained a tensor every two steps or more, the one that grew most in
+    # bytes (a group that merely entered the census's top lists gains a few, once).
+    per_step = per_step[per_step["count"] >= 0.5]
+    if per_step.empty:
+        return None
     top = per_step.sort_values(["bytes", "count"], ascending=False)
     (device, dtype, shape, graph), row = top.index[0], top.iloc[0]
-    if row["count"] < 0.5:
-        return None
     holding = " holding an autograd graph" if graph else ""
     what = "scalar" if shape == "[]" else f"{shape}"
     makers = rt.module_outputs

@@ -184,7 +184,7 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
     (f,) = of_kind(analyze(load(tmp_path / "leak")), "memory_leak")
     assert f.evidence["series"] == "live_tensors_with_graph", f.summary
     assert 0.9 <= f.evidence["tensors_with_graph_per_step"] <= 1.1
-    assert f.evidence["growing_group"]["shape"] == "[]" and f.evidence["growing_group"]["graph"]
+    assert f.evidence["growing_group"]["shape"] == "[]" and f.evidence["growing_group"]["graph"], f.evidence
     assert "a loss tensor kept across iterations" in f.summary
     # The same loop that reads loss.item() instead of keeping the tensor: no leak.
     train(tmp_path / "ok", keep=lambda loss: loss.item())
