@@ -13,10 +13,10 @@ Two kinds of run:
 - wall: ``torch.set_num_threads(2)``, wall-clock time.
 
 The measured span is ``--steps`` steps after ``--warmup`` steps, plus closing the recorder (or the
-TensorBoard writer), so that the periodic events (activation samples every 10 steps, histograms
-every 100, tensor samples every 500, the census, the 2-step profiler window and the parameter
-snapshot of every 1,000 steps, writes and flushes) are amortized inside it as a long job pays them:
-the default 1,000 steps hold each of them at its own rate. (A shorter span over-weights the
+TensorBoard writer), so that the periodic events (watched steps, update ratios every 10 steps,
+histograms every 100, tensor samples every 500, the census, the 2-step profiler window and the
+parameter snapshot of every 1,000 steps, writes and flushes) are amortized inside it as a long job
+pays them: the default 1,000 steps hold each of them at its own rate. (A shorter span over-weights the
 1,000-step events: with --steps 200 the profiler window counts 5 times.) Each configuration
 reports its best (minimum) run: on a shared machine the noise only ever adds time.
 """

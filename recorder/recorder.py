@@ -556,14 +556,17 @@ class Recorder:
                 or (step + 1) % cfg.update_ratio_every == 0 or self.activity.window_ends(step)):
             return False
         cache = self._norm_cache
-        params = self._params
-        if len(cache) != len(params) or not params:
+        if not cache:
             return False
         norms = []
-        for i, p in enumerate(params):
-            c, g = cache.get(i), p.grad
-            if c is None or g is None or c[0] != id(g) or c[1] != g._version:
-                return False
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:  # a frozen parameter: no gradient, NaN
+                norms.append(math.nan)
+                continue
+            c = cache.get(i)
+            if c is None or c[0] != id(g) or c[1] != g._version or not math.isfinite(c[2]):
+                return False  # (a NaN/Inf norm: a bad step, measured in full)
             norms.append(c[2])
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
@@ -571,7 +574,7 @@ class Recorder:
             loss_value = loss.item()
         else:
             loss_value = float("nan") if loss is None else float(loss)
-        if not all(map(math.isfinite, norms)) or (loss is not None and not math.isfinite(loss_value)):
+        if loss is not None and not math.isfinite(loss_value):
             return False  # a bad step is measured in full
         self._norm_cache = {}
         self._loss_given = loss is not None

@@ -216,3 +216,27 @@ def test_activation_std_is_accurate_when_the_mean_dominates(tmp_path, mean, std)
         i = names(f["modules/name"]).index("2")
         np.testing.assert_allclose(f["activations/mean"][0, i], outs[0].mean().item(), rtol=1e-5)
         np.testing.assert_allclose(f["activations/std"][0, i], outs[0].std().item(), rtol=1e-3)
+
+
+def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path):
+    """Most steps take the recorder's short path (norms from the optimizer pre-hook); a frozen
+    layer (no gradient) must not push them off it or change what is written: NaN for it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref = []
+    with Recorder(model, tmp_path / "run") as rec:
+        for step in range(8):
+            x, y = batch("mlp", step)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ref.append([torch.linalg.vector_norm(p.grad).item() if p.grad is not None else np.nan
+                        for p in model.parameters()])
+            rec.step(loss=loss)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        np.testing.assert_allclose(f["params/grad_norm"][:], ref, rtol=1e-5)
+        assert np.isnan(f["params/grad_norm"][:, :2]).all()
+        assert (f["params/param_norm"][2:8] == -1).all()  # not measured on plain steps
