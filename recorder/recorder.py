@@ -368,8 +368,6 @@ class Recorder:
         w.watch(self._watched)
         self._replayed = None
         self.activity.step = self.attention.step = step
-        if self._watched:
-            self.activity.steps_watched += 1
 
     def _plan_watch(self, step: int) -> None:
         """After a step: time it, and after a watched step choose the next (see the config's
@@ -390,6 +388,9 @@ class Recorder:
             extra = max(0.0, took - plain)
             need = int(math.ceil(extra / (cfg.watch_budget * max(plain, 1e-9))))
             gap = max(base, -(-need // base) * base)  # a multiple of the configured gap
+            # At most one activity window apart: every window (dead units) and every stretch
+            # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
+            gap = min(gap, max(base, -(-cfg.activity_window // base) * base))
         self._next_watch = step + gap
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
@@ -526,6 +527,8 @@ class Recorder:
     def step(self, loss=None) -> None:
         """Mark the end of one training iteration (call it after ``optimizer.step()``)."""
         if self._active:
+            if self._watched:  # (counted once the step has run: the activity window holds it)
+                self.activity.steps_watched += 1
             try:
                 t_called = time.perf_counter()
                 if not self._plain_step(loss, t_called):

@@ -332,7 +332,10 @@ def read_trace(run_dir: str) -> dict:
                                           s["units"][:], s["bit_offset"][:])]
             a = f["activity"]
             t["activity"] = {"step_start": a["step_start"][:], "step_end": a["step_end"][:],
-                             "steps_seen": a["steps_seen"][:], "ever_positive": a["ever_positive"][:]}
+                             "steps_seen": a["steps_seen"][:], "ever_positive": a["ever_positive"][:],
+                             # watched steps per window (schema 2; every step before)
+                             "steps_watched": a["steps_watched"][:] if "steps_watched" in a else
+                             a["step_end"][:] - a["step_start"][:] + 1}
         if "attention_sites" in f and len(f["attention_sites/module"]):
             s = f["attention_sites"]
             t["attention_sites"] = [
@@ -347,7 +350,7 @@ def read_trace(run_dir: str) -> dict:
 
 def recorded_dead_share(t: dict) -> dict[str, list[float]]:
     """Per activity site with units ("module:function#call"): the recorded share of units never
-    positive in each window."""
+    positive in each window; None for a window without a watched step (nothing was seen)."""
     out = {}
     if "activity" not in t:
         return out
@@ -356,7 +359,8 @@ def recorded_dead_share(t: dict) -> dict[str, list[float]]:
         if not s["units"]:
             continue
         key = f"{s['module']}:{s['function']}#{s['call']}"
-        out[key] = [round(1.0 - float(b[s["offset"]:s["offset"] + s["units"]].mean()), 3) for b in bits]
+        out[key] = [round(1.0 - float(b[s["offset"]:s["offset"] + s["units"]].mean()), 3) if w > 0 else None
+                    for b, w in zip(bits, t["activity"]["steps_watched"])]
     return out
 
 

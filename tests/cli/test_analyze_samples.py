@@ -60,5 +60,5 @@ def test_info_describes_the_run():
     r = run_cli("info", SAMPLES / "healthy_mlp", block_torch=True)
     assert r.returncode == 0, r.stderr
     for needle in ("rank 0 of 1", "300 (0-299)", "closed cleanly", "parameter tensors",
-                   "trace schema 1", "torch 2.", " KB"):
+                   "trace schema 2", "torch 2.", " KB"):
         assert needle in r.stdout, (needle, r.stdout)
