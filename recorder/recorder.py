@@ -581,30 +581,13 @@ class Recorder:
             return False  # a bad step is measured in full
         self._norm_cache = {}
         self._loss_given = loss is not None
-        rss = rss_bytes()
-        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else (-1, -1, -1)
-        row = {"step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss,
-               "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
-               "nonfinite_origin": -1, "batch_nonfinite": 0, "gc_s": self._gc_s, "gc_gen2": self._gc_gen2}
-        self._gc_s, self._gc_gen2 = 0.0, 0
-        census, groups = self._census(step, alloc if alloc >= 0 else rss)
-        row.update(census)
         mods = self.watcher.finish_step({}, len(self.watcher.names))  # (not watched: all -1)
-        rows = {"steps": row,
-                "params": {"grad_norm": norms, "grad_absmax": self._unmeasured, "grad_nonfinite": self._no_bad_grads,
-                           "param_norm": self._unmeasured},
-                "modules": {"output_absmax": mods["output_absmax"]}}
-        if groups:
-            rows["census_groups"] = [{"step": step, **g} for g in groups]
-        snapshot_task = self._cuda_snapshot(step)
-        row.update(self._timing(t_called))
-        self.writer.put(rows)
-        if snapshot_task is not None:
-            self.writer.put_task(snapshot_task)
-        if self.blackbox is not None:
-            self.blackbox.new_step()
-        if self.snapshots is not None and self.snapshots.due(step + 1):
-            self._snapshot(step + 1)
+        self._write_step(step, t_called, {
+            "steps": self._step_row(step, loss_value, mods),
+            "params": {"grad_norm": norms, "grad_absmax": self._unmeasured, "grad_nonfinite": self._no_bad_grads,
+                       "param_norm": self._unmeasured},
+            "modules": {"output_absmax": mods["output_absmax"]}})
+        self._end_step(step)
         return True
 
     def _record_step(self, loss, t_called: float) -> None:
@@ -723,13 +706,8 @@ class Recorder:
             mods = {k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")}
         if self._params:
             self._device = self._params[0].device
-        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else (-1, -1, -1)
         rows = {
-            "steps": {
-                "step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
-                "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
-                "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
-            },
+            "steps": self._step_row(step, loss_value, mods),
             # float64 and int64 here: the writer thread stores them as float32/int32 (saturating)
             "params": {
                 "grad_norm": grad_norm,
@@ -760,18 +738,8 @@ class Recorder:
         # Sites first seen this step go in the same queue item as the rows that refer to them.
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
-        census, groups = self._census(step, alloc if alloc >= 0 else rows["steps"]["rss_bytes"])
-        rows["steps"].update(census)
-        if groups:
-            rows["census_groups"] = [{"step": step, **g} for g in groups]
-        rows["steps"].update({"gc_s": self._gc_s, "gc_gen2": self._gc_gen2})
-        self._gc_s, self._gc_gen2 = 0.0, 0
-        snapshot_task = self._cuda_snapshot(step)
         rows["module_outputs"] = self.watcher.take_new_shapes()
-        rows["steps"].update(self._timing(t_called))
-        self.writer.put(rows)
-        if snapshot_task is not None:
-            self.writer.put_task(snapshot_task)
+        self._write_step(step, t_called, rows)
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
@@ -792,8 +760,37 @@ class Recorder:
                 "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
                         "gradients first (a NaN loss or output with finite gradients, or a hand-written update)",
                 **({"origin_replay": self._replayed["replay"]} if self._replayed else {})}))
-        if bb is not None:
-            bb.new_step()
+        self._end_step(step)
+
+    def _step_row(self, step: int, loss_value: float, mods: dict) -> dict:
+        """The step's row of steps/: loss, memory now, where NaN/Inf was born (more is added by
+        _write_step)."""
+        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else (-1, -1, -1)
+        return {"step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
+                "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
+                "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"]}
+
+    def _write_step(self, step: int, t_called: float, rows: dict) -> None:
+        """Complete the step's row (census, GC time, the time split) and queue its rows, then a
+        CUDA snapshot if one is due."""
+        row = rows["steps"]
+        census, groups = self._census(step, row["cuda_allocated_bytes"] if row["cuda_allocated_bytes"] >= 0
+                                      else row["rss_bytes"])
+        row.update(census)
+        if groups:
+            rows["census_groups"] = [{"step": step, **g} for g in groups]
+        row["gc_s"], row["gc_gen2"] = self._gc_s, self._gc_gen2
+        self._gc_s, self._gc_gen2 = 0.0, 0
+        snapshot_task = self._cuda_snapshot(step)
+        row.update(self._timing(t_called))
+        self.writer.put(rows)
+        if snapshot_task is not None:
+            self.writer.put_task(snapshot_task)
+
+    def _end_step(self, step: int) -> None:
+        """The black box forgets the step; the parameters are snapshotted if the next step is due."""
+        if self.blackbox is not None:
+            self.blackbox.new_step()
         if self.snapshots is not None and self.snapshots.due(step + 1):
             self._snapshot(step + 1)
 
