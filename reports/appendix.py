@@ -8,6 +8,7 @@ import numpy as np
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored
 from ..analyzer.findings import Finding
+from ..analyzer.trace import measured_rows
 from .context import Context, read_or_none
 from .format import format_number, plural, shorten
 from .model import Recorded, Table
@@ -162,7 +163,7 @@ def module_table(ctx: Context) -> Table:
         return Table(title, "No module statistics were recorded.", cols, [], (False,) * len(cols))
     all_finite = np.zeros(rt.n_steps, dtype=bool)  # and measured (watched)
     for a, block in rt.blocks("modules/output_absmax"):
-        all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1) & (block >= 0).any(axis=1)
+        all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1) & measured_rows(block)
     i = _last_finite_row(np.where(all_finite, 0.0, np.nan))
     at = int(rt.step_index[i])
     out = rt.module_stat(rows=[i])
@@ -306,8 +307,7 @@ LOOK_BACK = 256
 def _last_measured(frame):
     """The last row of a statistic measured on watched steps only (-1 elsewhere), as a one-row
     frame; empty if none of these rows was measured."""
-    v = frame.to_numpy(dtype=np.float64)
-    ok = np.flatnonzero(((v >= 0) | ~np.isfinite(v)).any(axis=1))
+    ok = np.flatnonzero(measured_rows(frame.to_numpy()))
     return frame.iloc[ok[-1:]]
 
 

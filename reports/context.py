@@ -13,7 +13,7 @@ import pandas as pd
 from ..analyzer.config import AnalysisConfig
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
-from ..analyzer.trace import UNMEASURED_IS_NEGATIVE, RankTrace, Trace
+from ..analyzer.trace import UNMEASURED_IS_NEGATIVE, RankTrace, Trace, measured_rows
 from . import plots
 from .model import Figure
 
@@ -175,8 +175,7 @@ def _per_step(rt: RankTrace, name: str, columns, span, read_rows) -> pd.DataFram
     if rows.stop - rows.start <= FIGURE_STEPS:
         frame = read_rows(rows)
         if name in UNMEASURED_IS_NEGATIVE:  # only the steps it was measured on (watched steps)
-            v = frame.to_numpy(dtype=np.float64)
-            frame = frame[((v >= 0) | ~np.isfinite(v)).any(axis=1)]
+            frame = frame[measured_rows(frame.to_numpy())]
         return frame
     return _envelope(rt, name, rt.step_index, rows, columns)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..config import NonfiniteConfig
 from ..findings import Finding
-from ..trace import RankTrace
+from ..trace import RankTrace, measured_rows
 
 KIND = "nonfinite"
 REQUIRES = ("steps/nonfinite_origin", "params/grad_nonfinite")
@@ -76,7 +76,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         "total_grad_norm_before": float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
     }
     mods_bad = rt.module_stat(rows=[i]).to_numpy()[0]
-    checked = bool(((mods_bad >= 0) | ~np.isfinite(mods_bad)).any())  # -1 everywhere: not checked
+    checked = bool(measured_rows(mods_bad))  # -1 everywhere: not checked
     bad_modules = [rt.module_names[j] for j in np.flatnonzero(~np.isfinite(mods_bad))]
     evidence["modules_with_nonfinite_output"] = len(bad_modules)
     bad_params = np.flatnonzero(grad_bad)

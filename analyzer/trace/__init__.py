@@ -25,11 +25,11 @@ bytes per step for the 1-D per-step series.
 """
 
 from .format import (ACTIVATION_STATS, FORMAT_NAME, HIST_KINDS, MODULE_STATS, PARAM_STATS,
-                     SCHEMA_VERSION, UNMEASURED_IS_NEGATIVE)
+                     SCHEMA_VERSION, UNMEASURED_IS_NEGATIVE, measured_rows)
 from .rank import STEP_COLUMNS, RankTrace, StepColumns
 from .run_dir import Trace, load, trace_files
 from .streaming import StepDigest, block_rows
 
 __all__ = ["ACTIVATION_STATS", "FORMAT_NAME", "HIST_KINDS", "MODULE_STATS", "PARAM_STATS", "SCHEMA_VERSION",
            "STEP_COLUMNS", "UNMEASURED_IS_NEGATIVE", "RankTrace", "StepColumns", "StepDigest", "Trace",
-           "block_rows", "load", "trace_files"]
+           "block_rows", "load", "measured_rows", "trace_files"]

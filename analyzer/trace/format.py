@@ -22,6 +22,13 @@ MODULE_STATS = ("output_absmax",)
 # Per-step datasets where -1 means "not measured on this step" (every real value is >= 0):
 # readers that reduce or draw them skip those entries.
 UNMEASURED_IS_NEGATIVE = ("modules/output_absmax", "params/param_norm", "params/grad_absmax")
+
+
+def measured_rows(values) -> np.ndarray:
+    """Which rows (steps) of one of those statistics were measured: some entry >= 0 or NaN/Inf.
+    A 1-D row gives one bool."""
+    v = np.asarray(values, dtype=np.float64)
+    return ((v >= 0) | ~np.isfinite(v)).any(axis=-1)
 ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
 HIST_KINDS = ("weight", "grad", "activation")
 # Tables written once per step: their rows line up, one per step.
