@@ -23,16 +23,17 @@ MODULE_STATS = ("output_absmax",)
 # readers that reduce or draw them skip those entries.
 UNMEASURED_IS_NEGATIVE = ("modules/output_absmax", "params/param_norm", "params/grad_absmax")
 
-
-def measured_rows(values) -> np.ndarray:
-    """Which rows (steps) of one of those statistics were measured: some entry >= 0 or NaN/Inf.
-    A 1-D row gives one bool."""
-    v = np.asarray(values, dtype=np.float64)
-    return ((v >= 0) | ~np.isfinite(v)).any(axis=-1)
 ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
 HIST_KINDS = ("weight", "grad", "activation")
 # Tables written once per step: their rows line up, one per step.
 _PER_STEP_TABLES = {"steps": ("step",), "params": PARAM_STATS, "modules": MODULE_STATS}
+
+
+def measured_rows(values) -> np.ndarray:
+    """Which rows (steps) of an UNMEASURED_IS_NEGATIVE statistic were measured: some entry >= 0
+    or NaN/Inf. A 1-D row gives one bool."""
+    v = np.asarray(values, dtype=np.float64)
+    return ((v >= 0) | ~np.isfinite(v)).any(axis=-1)
 
 
 def _open(path: str) -> h5py.File:
