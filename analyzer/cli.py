@@ -11,6 +11,7 @@ import os
 import sys
 
 import click
+import numpy as np
 
 from .config import AnalysisConfig
 from .config_file import load_config
@@ -265,6 +266,16 @@ def _finding_line(f: Finding) -> str:
     return f"{head}\n      {f.summary}"
 
 
+def _spacing(steps) -> str:
+    """' (every N)' or ' (every N-M)' steps between samples (budgets widen the gaps), or ''."""
+    gaps = np.diff(steps)
+    gaps = gaps[gaps > 0]
+    if not gaps.size:
+        return ""
+    lo, hi = int(gaps.min()), int(gaps.max())
+    return f" (every {lo})" if lo == hi else f" (every {lo}-{hi})"
+
+
 @cli.command()
 @click.argument("run_dir", type=click.Path())
 def info(run_dir):
@@ -276,12 +287,10 @@ def info(run_dir):
         m = rt.meta
         steps = rt.step_index
         span = f"{steps[0]:,}-{steps[-1]:,}" if len(steps) else "none"
-        cfg = m.get("config", {})
         try:
-            n_act = rt.n_samples("activations")
-            n_upd = rt.n_samples("updates")
+            act, upd = rt.sample_steps("activations"), rt.sample_steps("updates")
         except TraceError:
-            n_act = n_upd = 0
+            act = upd = np.zeros(0, np.int64)
         state = "closed cleanly" if rt.closed_cleanly else "not closed (job killed or still running)"
         click.echo(f"\nrank {rt.rank} of {m.get('world_size', 1)}   {os.path.basename(rt.path)}, "
                    f"{_human_bytes(rt.size_bytes)}, {state}"
@@ -289,9 +298,8 @@ def info(run_dir):
         click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from {m.get('start_time', '?')}")
         click.echo(f"  model        {m.get('model_class', '?')}, {m.get('n_parameters', 0):,} parameters")
         click.echo(f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
-                   f"outputs every step; activation statistics at {n_act} steps (every "
-                   f"{cfg.get('activations_every', '?')}); update ratios at {n_upd} steps (every "
-                   f"{cfg.get('update_ratio_every', '?')})")
+                   f"outputs every step; activation statistics at {len(act)} steps{_spacing(act)}; "
+                   f"update ratios at {len(upd)} steps{_spacing(upd)}")
         pw = rt.profile_windows
         if len(pw):
             spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))

@@ -123,9 +123,13 @@ class Recorder:
         # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
         self._watched = False
         self._replayed: dict | None = None
-        self._next_watch = 0  # the next step whose modules are all hooked (_plan_watch)
+        self._next_watch = 0  # the next step whose modules are all hooked (_plan)
         self._t_last_step: float | None = None
-        self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent unwatched step times
+        self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent plain step times
+        # The next sampled update ratio (_plan); its weights are copied one step before.
+        self._next_update = 0
+        self._t_before_update: float | None = None  # how long that step before took
+        self._update_extra: collections.deque = collections.deque(maxlen=5)  # recent samples' cost
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -369,29 +373,47 @@ class Recorder:
         self._replayed = None
         self.activity.step = self.attention.step = step
 
-    def _plan_watch(self, step: int) -> None:
-        """After a step: time it, and after a watched step choose the next (see the config's
-        watch_budget): the configured gap, widened until watched steps cost at most
-        watch_budget of the training time, judged by what this one cost over a plain step."""
+    def _plan(self, step: int) -> None:
+        """After a step: time it, and after a watched step or a sampled update ratio choose the
+        next one (see the config's watch_budget and update_ratio_budget)."""
         now = time.perf_counter()
         took = now - self._t_last_step if self._t_last_step is not None else None
         self._t_last_step = now
+        sampled = step == self._next_update
+        if step + 1 == self._next_update:
+            self._t_before_update = took
+        elif not self.watcher.sample_activations and not sampled and took is not None:
+            self._plain_s.append(took)
+        plain = sorted(self._plain_s)[len(self._plain_s) // 2] if len(self._plain_s) >= 3 else None
         cfg = self.config
-        if not self.watcher.sample_activations:
-            if took is not None:
-                self._plain_s.append(took)
-            return
-        base = min(cfg.activations_every, cfg.attention_every)
-        gap = base
-        if step + 1 >= cfg.watch_warmup and took is not None and len(self._plain_s) >= 3:
-            plain = sorted(self._plain_s)[len(self._plain_s) // 2]
-            extra = max(0.0, took - plain)
-            need = int(math.ceil(extra / (cfg.watch_budget * max(plain, 1e-9))))
-            gap = max(base, -(-need // base) * base)  # a multiple of the configured gap
+        warm = step + 1 >= cfg.watch_warmup and took is not None and plain is not None
+        if self.watcher.sample_activations:
+            base = min(cfg.activations_every, cfg.attention_every)
             # At most one activity window apart: every window (dead units) and every stretch
             # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
-            gap = min(gap, max(base, -(-cfg.activity_window // base) * base))
-        self._next_watch = step + gap
+            self._next_watch = step + (self._gap(took - plain, cfg.watch_budget * plain, base,
+                                                 max(base, -(-cfg.activity_window // base) * base))
+                                       if warm else base)
+        if sampled:
+            # A sample's cost: its two steps over plain ones (a watched one counts as twice the
+            # step before it, whose copy and norms it matches).
+            # The median of the last few: one step can be slowed by anything (a census, the OS).
+            before = self._t_before_update
+            if before is not None and took is not None and plain is not None:
+                self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
+                                          else (before - plain) + (took - plain))
+            every = cfg.update_ratio_every
+            extra = sorted(self._update_extra)[len(self._update_extra) // 2] if self._update_extra else None
+            self._next_update = step + (self._gap(extra, cfg.update_ratio_budget * plain, every, 10 * every)
+                                        if warm and extra is not None else every)
+            self._t_before_update = None
+
+    @staticmethod
+    def _gap(extra: float, allowed: float, base: int, most: int) -> int:
+        """Steps to the next sample: the multiple of `base`, at most `most`, at which a sample
+        costing `extra` seconds adds at most `allowed` seconds a step."""
+        need = int(math.ceil(max(0.0, extra) / max(allowed, 1e-12)))
+        return min(max(base, -(-need // base) * base), max(base, most))
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
     def on_activation(self, fn, args, kwargs, out) -> None:
@@ -536,7 +558,7 @@ class Recorder:
             except Exception as e:
                 self._fail(e)
         if self._active:
-            self._plan_watch(self._step)
+            self._plan(self._step)
         self._step += 1
         if self._active:
             self._set_schedule(self._step)
@@ -554,9 +576,9 @@ class Recorder:
         of Python runs cold (a numpy call there costs ~50 us, measured), so this does as little
         as it can: the loss's one transfer, a row of host values; the writer thread makes
         float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
-        step, cfg = self._step, self.config
-        if (self._watched or self.profiler.prof is not None or step % cfg.update_ratio_every == 0
-                or (step + 1) % cfg.update_ratio_every == 0 or self.activity.window_ends(step)):
+        step = self._step
+        if (self._watched or self.profiler.prof is not None or step == self._next_update
+                or step + 1 == self._next_update or self.activity.window_ends(step)):
             return False
         cache = self._norm_cache
         if not cache:
@@ -592,7 +614,6 @@ class Recorder:
 
     def _record_step(self, loss, t_called: float) -> None:
         step = self._step
-        cfg = self.config
         watched = self._watched
         pk = Packer()
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
@@ -614,8 +635,8 @@ class Recorder:
                     self._add_grad_range(pk, present)
             # Weight norms on watched steps, and on the step before an update ratio (its
             # ||w_before||); other steps write -1 (not measured) unless they go bad.
-            measure_w = watched or self._is_sampled(step + 1, cfg.update_ratio_every)
-            do_update = self._prev_weights is not None and self._is_sampled(step, cfg.update_ratio_every)
+            measure_w = watched or step + 1 == self._next_update
+            do_update = self._prev_weights is not None and step == self._next_update
             update_den = None
             weights = [p.detach() for p in self._params] if measure_w or do_update else None
             if weights:
@@ -691,10 +712,10 @@ class Recorder:
 
             # Weights to compare the next sampled update against: taken after this update, with
             # their norms (measured on this step: ||w_before|| of the next).
-            if self._params and self._is_sampled(step + 1, cfg.update_ratio_every):
+            if self._params and step + 1 == self._next_update:
                 self._prev_weights = self._copy_weights()
                 self._prev_norm = param_norm
-            elif self._params and self._is_sampled(step, cfg.update_ratio_every):
+            elif self._params and step == self._next_update:
                 self._prev_weights = self._prev_norm = None
 
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None

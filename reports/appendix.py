@@ -213,10 +213,9 @@ def recorded(ctx: Context) -> list[Recorded]:
     out.append(Recorded("Weight norms", n > 0, f"every step, {plural(len(rt.param_names), 'tensor')}"))
     out.append(Recorded("Module outputs (max |x|, where NaN/Inf was born)", n > 0 and bool(rt.module_names),
                         f"every step, {plural(len(rt.module_names), 'module')}"))
-    out.append(_sampled("Activation statistics (mean, std, zero share)", read_or_none(lambda: rt.n_samples("activations")),
-                        cfg.get("activations_every"), "activations_every"))
-    out.append(_sampled("Update-to-weight ratios", read_or_none(lambda: rt.n_samples("updates")), cfg.get("update_ratio_every"),
-                        "update_ratio_every"))
+    out.append(_sampled("Activation statistics (mean, std, zero share)", read_or_none(lambda: rt.sample_steps("activations")),
+                        "activations_every"))
+    out.append(_sampled("Update-to-weight ratios", read_or_none(lambda: rt.sample_steps("updates")), "update_ratio_every"))
     dead = ctx.dead_shares(rt)
     sites = read_or_none(lambda: rt.activity_sites)
     out.append(Recorded("Per-unit activity (dead units)", dead is not None,
@@ -279,10 +278,16 @@ def model_summary(ctx: Context) -> str:
     return text
 
 
-def _sampled(what: str, n: int | None, every, option: str) -> Recorded:
-    if not n:
+def _sampled(what: str, steps, option: str) -> Recorded:
+    """A sampled table's line: how many samples, and how far apart (budgets widen the gaps)."""
+    if steps is None or not len(steps):
         return Recorded(what, False, f"none recorded (Recorder option {option})")
-    return Recorded(what, True, f"every {every if every is not None else '?'} steps: {plural(n, 'sample')}")
+    gaps = np.diff(steps)
+    gaps = gaps[gaps > 0]
+    if not gaps.size:
+        return Recorded(what, True, plural(len(steps), "sample"))
+    lo, hi = int(gaps.min()), int(gaps.max())
+    return Recorded(what, True, f"every {lo if lo == hi else f'{lo}-{hi}'} steps: {plural(len(steps), 'sample')}")
 
 
 def _steps_with_nonfinite(rt) -> np.ndarray:
