@@ -194,6 +194,19 @@ def test_custom_sampling_schedules(tmp_path):
         assert json.loads(attr_str(f, "config"))["activations_every"] == 4
 
 
+def test_update_ratio_budget_widens_the_gap_and_keeps_the_ratio_exact(tmp_path):
+    """Past the warm-up, update ratios are spaced by their cost: with a budget no sample fits,
+    every 10x update_ratio_every steps (the widest), each still over exactly one step."""
+    model, rec, ref, _ = _train_with_references(
+        "mlp", tmp_path / "run", n_steps=90, upd_every=1,
+        update_ratio_every=3, watch_warmup=21, update_ratio_budget=1e-9)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        steps = f["updates/step"][:]
+        ratio = f["updates/ratio"][:]
+    np.testing.assert_array_equal(steps, [*range(0, 22, 3), 51, 81])  # every 3rd in the warm-up, then 30 apart
+    np.testing.assert_allclose(ratio, [ref["ratio"][s] for s in steps], rtol=1e-4)
+
+
 class _Affine(torch.nn.Module):
     def __init__(self, mean, std):
         super().__init__()
