@@ -32,6 +32,17 @@ _STR = h5py.string_dtype("utf-8")
 GROWS = -1  # width of a column whose rows get longer as new sites (layers, heads) are seen
 
 
+def _yield_to_training() -> None:
+    """Run this (the writer's) thread at nice +10 (Linux sets it per thread): where the training's
+    threads keep every core busy, it writes in their gaps rather than taking a core from them,
+    and at worst falls behind, which fills its queue (then drops rows, counted), never stalls."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+
+
 @dataclass(frozen=True)
 class Column:
     name: str
@@ -480,6 +491,7 @@ class TraceWriter:
 
     # -- writer thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        _yield_to_training()
         last_flush = time.monotonic()
         table = row = None
         try:
