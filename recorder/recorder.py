@@ -126,9 +126,11 @@ class Recorder:
         self._next_watch = 0  # the next step whose modules are all hooked (_plan)
         self._t_last_step: float | None = None
         self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent plain step times
-        # The next sampled update ratio (_plan); its weights are copied one step before.
+        # The next sampled update ratio (_record_step plans it); its weights are copied one step
+        # before. The last sampled step, and how long the step before it took (_plan).
         self._next_update = 0
-        self._t_before_update: float | None = None  # how long that step before took
+        self._sampled_step = -1
+        self._t_before_update: float | None = None
         self._update_extra: collections.deque = collections.deque(maxlen=5)  # recent samples' cost
 
         named = list(model.named_parameters())
@@ -374,39 +376,53 @@ class Recorder:
         self.activity.step = self.attention.step = step
 
     def _plan(self, step: int) -> None:
-        """After a step: time it, and after a watched step or a sampled update ratio choose the
-        next one (see the config's watch_budget and update_ratio_budget)."""
+        """After a step: time it; after a watched step choose the next one (see the config's
+        watch_budget), and after a sampled update ratio note what its two steps cost."""
         now = time.perf_counter()
         took = now - self._t_last_step if self._t_last_step is not None else None
         self._t_last_step = now
-        sampled = step == self._next_update
+        plain = self._plain_step_s()
+        sampled = step == self._sampled_step
+        if sampled:
+            # Its two steps over plain ones (a watched sampled step counts as twice the step
+            # before it, whose copy and norms it matches).
+            before = self._t_before_update
+            if before is not None and took is not None and plain is not None:
+                self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
+                                          else (before - plain) + (took - plain))
+            self._t_before_update = None
         if step + 1 == self._next_update:
             self._t_before_update = took
         elif not self.watcher.sample_activations and not sampled and took is not None:
             self._plain_s.append(took)
-        plain = sorted(self._plain_s)[len(self._plain_s) // 2] if len(self._plain_s) >= 3 else None
-        cfg = self.config
-        warm = step + 1 >= cfg.watch_warmup and took is not None and plain is not None
         if self.watcher.sample_activations:
+            cfg = self.config
             base = min(cfg.activations_every, cfg.attention_every)
+            warm = step + 1 >= cfg.watch_warmup and took is not None and plain is not None
             # At most one activity window apart: every window (dead units) and every stretch
             # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
             self._next_watch = step + (self._gap(took - plain, cfg.watch_budget * plain, base,
                                                  max(base, -(-cfg.activity_window // base) * base))
                                        if warm else base)
-        if sampled:
-            # A sample's cost: its two steps over plain ones (a watched one counts as twice the
-            # step before it, whose copy and norms it matches).
-            # The median of the last few: one step can be slowed by anything (a census, the OS).
-            before = self._t_before_update
-            if before is not None and took is not None and plain is not None:
-                self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
-                                          else (before - plain) + (took - plain))
-            every = cfg.update_ratio_every
-            extra = sorted(self._update_extra)[len(self._update_extra) // 2] if self._update_extra else None
-            self._next_update = step + (self._gap(extra, cfg.update_ratio_budget * plain, every, 10 * every)
-                                        if warm and extra is not None else every)
-            self._t_before_update = None
+
+    def _plain_step_s(self) -> float | None:
+        """Median time of the recent plain steps (neither watched nor part of an update-ratio
+        sample), or None before there are three."""
+        n = len(self._plain_s)
+        return sorted(self._plain_s)[n // 2] if n >= 3 else None
+
+    def _update_gap(self, step: int) -> int:
+        """Steps from this sampled update ratio to the next: update_ratio_every in the warm-up,
+        then the multiple of it (at most 10x) at which samples, at the median cost of the last
+        few (one step can be slowed by anything: a census, the OS), take at most
+        update_ratio_budget of the training time."""
+        cfg = self.config
+        every = cfg.update_ratio_every
+        plain = self._plain_step_s()
+        if step + 1 < cfg.watch_warmup or plain is None or not self._update_extra:
+            return every
+        extra = sorted(self._update_extra)[len(self._update_extra) // 2]
+        return self._gap(extra, cfg.update_ratio_budget * plain, every, 10 * every)
 
     @staticmethod
     def _gap(extra: float, allowed: float, base: int, most: int) -> int:
@@ -635,8 +651,11 @@ class Recorder:
                     self._add_grad_range(pk, present)
             # Weight norms on watched steps, and on the step before an update ratio (its
             # ||w_before||); other steps write -1 (not measured) unless they go bad.
+            if step == self._next_update:  # a sample: plan the next now, its copy may be due at once
+                self._sampled_step = step
+                self._next_update = step + self._update_gap(step)
             measure_w = watched or step + 1 == self._next_update
-            do_update = self._prev_weights is not None and step == self._next_update
+            do_update = self._prev_weights is not None and step == self._sampled_step
             update_den = None
             weights = [p.detach() for p in self._params] if measure_w or do_update else None
             if weights:
@@ -715,7 +734,7 @@ class Recorder:
             if self._params and step + 1 == self._next_update:
                 self._prev_weights = self._copy_weights()
                 self._prev_norm = param_norm
-            elif self._params and step == self._next_update:
+            elif self._params and step == self._sampled_step:
                 self._prev_weights = self._prev_norm = None
 
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
