@@ -19,6 +19,7 @@ from .detectors import DETECTORS
 from .errors import ConfigError, TraceError
 from .findings import SEVERITIES, Finding, first_to_go_wrong
 from .run import analyze as run_detectors
+from .series import spacing
 from .trace import Trace, load
 
 
@@ -267,13 +268,9 @@ def _finding_line(f: Finding) -> str:
 
 
 def _spacing(steps) -> str:
-    """' (every N)' or ' (every N-M)' steps between samples (budgets widen the gaps), or ''."""
-    gaps = np.diff(steps)
-    gaps = gaps[gaps > 0]
-    if not gaps.size:
-        return ""
-    lo, hi = int(gaps.min()), int(gaps.max())
-    return f" (every {lo})" if lo == hi else f" (every {lo}-{hi})"
+    """' (every N)' or ' (every N-M)' steps between samples, or ''."""
+    every = spacing(steps)
+    return f" (every {every})" if every else ""
 
 
 @cli.command()

@@ -28,6 +28,17 @@ def trailing_median(x: np.ndarray, w: int) -> np.ndarray:
 _BLOCK_VALUES = 1 << 21
 
 
+def spacing(steps) -> str | None:
+    """How far apart a sampled table's steps are: "N" or "N-M" (budgets widen the gaps), or None
+    with fewer than two distinct steps."""
+    gaps = np.diff(np.asarray(steps))
+    gaps = gaps[gaps > 0]
+    if not gaps.size:
+        return None
+    lo, hi = int(gaps.min()), int(gaps.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 def evenly_spaced(rows: np.ndarray, most: int) -> np.ndarray:
     """At most ``most`` of ``rows``, evenly spaced, the first and the last kept."""
     rows = np.asarray(rows)

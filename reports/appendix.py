@@ -8,6 +8,7 @@ import numpy as np
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored
 from ..analyzer.findings import Finding
+from ..analyzer.series import spacing
 from ..analyzer.trace import measured_rows
 from .context import Context, read_or_none
 from .format import format_number, plural, shorten
@@ -282,12 +283,9 @@ def _sampled(what: str, steps, option: str) -> Recorded:
     """A sampled table's line: how many samples, and how far apart (budgets widen the gaps)."""
     if steps is None or not len(steps):
         return Recorded(what, False, f"none recorded (Recorder option {option})")
-    gaps = np.diff(steps)
-    gaps = gaps[gaps > 0]
-    if not gaps.size:
-        return Recorded(what, True, plural(len(steps), "sample"))
-    lo, hi = int(gaps.min()), int(gaps.max())
-    return Recorded(what, True, f"every {lo if lo == hi else f'{lo}-{hi}'} steps: {plural(len(steps), 'sample')}")
+    every = spacing(steps)
+    return Recorded(what, True, f"every {every} steps: {plural(len(steps), 'sample')}" if every
+                    else plural(len(steps), "sample"))
 
 
 def _steps_with_nonfinite(rt) -> np.ndarray:
