@@ -26,10 +26,10 @@ class RecorderConfig:
     # weights taken one step earlier, so it is sampled: every `update_ratio_every`-th step in the
     # first `watch_warmup` steps, then as often as that allows, but sparser (a multiple of it, at
     # most 10 times it) if the two steps of a sample would add more than `update_ratio_budget` of
-    # the training time. On one CPU core a sample costs two passes over the weights and two
-    # recorded steps (MLP 8x512: ~2.6 ms on a 35 ms step, ~0.7% at every 10th; measured): 0.3%
-    # spaces it at every ~30th; a model on a GPU stays at every 10th. update_ratio_budget=1
-    # keeps the fixed schedule.
+    # the training time. On one CPU core a sample costs a copy and two passes over the weights
+    # and two recorded steps (MLP 8x512: ~1-2 ms on a 34 ms step, ~0.6% at every 10th; measured):
+    # 0.3% spaces it at every ~20th. update_ratio_budget=1 keeps the fixed schedule unless a
+    # sample costs more than update_ratio_every plain steps.
     update_ratio_every: int = 10
     update_ratio_budget: float = 0.003
     # Per-unit activity of ReLU-family/GELU outputs (dead units) and saturation of tanh/sigmoid

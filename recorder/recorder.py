@@ -381,12 +381,12 @@ class Recorder:
         now = time.perf_counter()
         took = now - self._t_last_step if self._t_last_step is not None else None
         self._t_last_step = now
-        plain = self._plain_step_s()
         sampled = step == self._sampled_step
         if sampled:
             # Its two steps over plain ones (a watched sampled step counts as twice the step
             # before it, whose copy and norms it matches).
             before = self._t_before_update
+            plain = self._plain_step_s()
             if before is not None and took is not None and plain is not None:
                 self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
                                           else (before - plain) + (took - plain))
@@ -398,6 +398,7 @@ class Recorder:
         if self.watcher.sample_activations:
             cfg = self.config
             base = min(cfg.activations_every, cfg.attention_every)
+            plain = self._plain_step_s()
             warm = step + 1 >= cfg.watch_warmup and took is not None and plain is not None
             # At most one activity window apart: every window (dead units) and every stretch
             # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
@@ -407,7 +408,8 @@ class Recorder:
 
     def _plain_step_s(self) -> float | None:
         """Median time of the recent plain steps (neither watched nor part of an update-ratio
-        sample), or None before there are three."""
+        sample), or None before there are three. Sorted only where needed (watched and sampled
+        steps), not on the plain steps, which are most of them."""
         n = len(self._plain_s)
         return sorted(self._plain_s)[n // 2] if n >= 3 else None
 
