@@ -281,10 +281,11 @@ def main(argv=None) -> None:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
 
+    def least(w, c, mode, key):
+        return min(r[key] for r in runs if r["workload"] == w and r["config"] == c and r["mode"] == mode)
+
     def best(w, c, mode):
-        key = "cpu_s" if mode == "cpu" else "wall_s"
-        vals = [r[key] for r in runs if r["workload"] == w and r["config"] == c and r["mode"] == mode]
-        return min(vals) / args.steps * 1e3
+        return least(w, c, mode, f"{mode}_s") / args.steps * 1e3
 
     header = ("workload", "config", "wall ms/step (2 thr)", "ratio (wall)", "CPU ms/step (1 thr)",
               "ratio (CPU)", "bytes/step", "peak RSS MiB")
@@ -323,10 +324,8 @@ def main(argv=None) -> None:
           f"steps; malloc thresholds {malloc_desc}; {len(runs)} runs in {elapsed:.0f} s")
     if "bare" in configs and "recorder" in configs and args.warmup:
         for w in workloads:
-            once = {mode: min(r[f"warmup_{mode}_s"] for r in runs if r["workload"] == w and r["config"] == "recorder"
-                              and r["mode"] == mode)
-                    - min(r[f"warmup_{mode}_s"] for r in runs if r["workload"] == w and r["config"] == "bare"
-                          and r["mode"] == mode) for mode in ("cpu", "wall")}
+            once = {mode: least(w, "recorder", mode, f"warmup_{mode}_s") - least(w, "bare", mode, f"warmup_{mode}_s")
+                    for mode in ("cpu", "wall")}
             print(f"recorder warm-up, paid once ({w}: its creation and the first {args.warmup} steps, not in the "
                   f"ratios): +{once['cpu'] * 1e3:.0f} ms CPU, +{once['wall'] * 1e3:.0f} ms wall over the bare loop")
     if worst is not None:
