@@ -17,10 +17,10 @@ class RecorderConfig:
     # more than `watch_budget` of the training time, though never sparser than one per activity
     # window. A watched step costs a few passes over each activation and ~10 us of Python per
     # module (MLP 8x512 on one core: ~5 ms on a 35 ms step; a small transformer: ~20 ms on 83 ms;
-    # measured): 0.5% spaces those two at every ~30th and 50th step; a large model on a GPU stays
-    # at every 10th. watch_budget=1 keeps the fixed schedule.
+    # measured): 0.3% spaces both at every 50th step, one per activity window; a large model on a
+    # GPU stays at every 10th. watch_budget=1 keeps the fixed schedule.
     activations_every: int = 10
-    watch_budget: float = 0.005
+    watch_budget: float = 0.003
     watch_warmup: int = 100
     # Update-to-weight ratio ||w_after - w_before|| / ||w_before||. It needs a copy of the
     # weights taken one step earlier, so it is sampled: every `update_ratio_every`-th step in the
@@ -28,10 +28,10 @@ class RecorderConfig:
     # most 10 times it) if the two steps of a sample would add more than `update_ratio_budget` of
     # the training time. On one CPU core a sample costs a copy and two passes over the weights
     # and two recorded steps (MLP 8x512: ~1-2 ms on a 34 ms step, ~0.6% at every 10th; measured):
-    # 0.3% spaces it at every ~20th. update_ratio_budget=1 keeps the fixed schedule unless a
+    # 0.15% spaces it at every ~70th. update_ratio_budget=1 keeps the fixed schedule unless a
     # sample costs more than update_ratio_every plain steps.
     update_ratio_every: int = 10
-    update_ratio_budget: float = 0.003
+    update_ratio_budget: float = 0.0015
     # Per-unit activity of ReLU-family/GELU outputs (dead units) and saturation of tanh/sigmoid
     # are accumulated on the device every step and written once per window: windows of 5, 10,
     # 20 and 40 steps first (deaths early in training are dated closely), then of this many.
@@ -42,11 +42,12 @@ class RecorderConfig:
     attention_every: int = 10
     # Census of live tensors (count, bytes, how many hold an autograd graph) through the garbage
     # collector's object list: every 50 steps at most, and less often if a census would take more
-    # than 0.3% of the training time (it walks every Python object: ~10-100 ms; the small transformer
-    # of benchmarks/ at ~100 ms: every ~400 steps).
+    # than census_budget of the training time. It reads every object Python tracks: ~50 ms in a
+    # process that imported torch (~290,000 objects; measured), so the MLP of benchmarks/ (35 ms
+    # steps) takes one every ~900 steps. Memory climbing to a new high takes one too (_census).
     census_every: int = 50
     # Share of the training time the census may take; sparser than census_every if needed.
-    census_budget: float = 0.003
+    census_budget: float = 0.0015
     # torch.profiler windows of `profile_steps` steps: the first at step `profile_first` (after
     # warm-up), then every `profile_every` steps. A window costs what the profiler costs (about
     # 1.2x on its steps, more with memory and shapes recorded); 2 steps every 1,000 add ~0.1%.
@@ -96,11 +97,17 @@ class RecorderConfig:
     snapshot_dtype: str = "exact"
     # Fixed-bin histograms (NaN, -Inf, signed half-octave magnitudes from 2**-40 to 2**8, zero,
     # +Inf: 196 bins, the same at every step; recorder/histograms.py) of weights, gradients and
-    # leaf-module outputs. Every 100 steps: a shift and a bincount over each tensor on those steps
-    # (4-8 ns per element on one CPU core; the MLP 8x512 of benchmarks/ takes +32 ms on such a
-    # step, 0.8 of a step: ~0.8% on average), and 196 x 4 bytes per tensor per sample (a model of
-    # 100 layers: ~2.4 KB per step). 0: off.
+    # leaf-module outputs. Every `histogram_every`-th step in the first `watch_warmup` steps, then
+    # as often as that allows, but sparser (a multiple of it, at most 10 times it) if histogram
+    # steps would add more than `histogram_budget` of the training time. Such a step hooks every
+    # module and makes a shift and a bincount over each tensor (~2 ns per element on one CPU core:
+    # the MLP 8x512 of benchmarks/ takes ~11 ms more on such a step, a third of a step; measured),
+    # so 0.1% spaces them at every ~400th step there; a model whose steps are long against its
+    # size keeps every 100th. 196 x 4 bytes per tensor per sample (a model of 100 layers: ~2.4 KB
+    # per step at every 100th). 0: off; histogram_budget=1 keeps every histogram_every-th step
+    # unless one costs more than histogram_every plain steps.
     histogram_every: int = 100
+    histogram_budget: float = 0.001
     # Tensors histogrammed per kind (weights/gradients, module outputs) at most, spread evenly
     # over the model's depth when it has more: bounds the bytes of a very deep model.
     histogram_max_tensors: int = 128
@@ -155,6 +162,8 @@ class RecorderConfig:
             raise ValueError(f"Recorder option watch_warmup must be an integer >= 0, got {self.watch_warmup!r}")
         if not 0 < self.update_ratio_budget <= 1:
             raise ValueError(f"Recorder option update_ratio_budget must be in (0, 1], got {self.update_ratio_budget!r}")
+        if not 0 < self.histogram_budget <= 1:
+            raise ValueError(f"Recorder option histogram_budget must be in (0, 1], got {self.histogram_budget!r}")
         if not 0 < self.census_budget <= 1:
             raise ValueError(f"Recorder option census_budget must be in (0, 1], got {self.census_budget!r}")
         for f in ("snapshot_every", "histogram_every", "sample_every", "snapshot_budget_bytes",

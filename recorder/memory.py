@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import resource
 import sys
@@ -51,6 +52,18 @@ CENSUS_GROUPS_BY_BYTES = 24
 CENSUS_GROUPS_BY_COUNT = 8
 
 
+def _tensor_types() -> set[type]:
+    """torch.Tensor and every subclass of it defined so far (Parameter, Buffer, users' own)."""
+    found: set[type] = set()
+    todo = [torch.Tensor]
+    while todo:
+        t = todo.pop()
+        if t not in found:
+            found.add(t)
+            todo.extend(type.__subclasses__(t))
+    return found
+
+
 def tensor_census() -> tuple[int, int, int, list[dict]]:
     """(live tensors, their storage bytes, how many hold an autograd graph, groups), from gc.
 
@@ -61,12 +74,15 @@ def tensor_census() -> tuple[int, int, int, list[dict]]:
     n = with_graph = nbytes = 0
     storages: set[tuple[str, int]] = set()
     groups: dict[tuple, list[int]] = {}
-    tensor = torch.Tensor
-    for obj in gc.get_objects():
-        # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn when their
-        # __class__ is looked up, and a census must not print into the user's job.
-        if not issubclass(type(obj), tensor):
-            continue
+    # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn when their
+    # __class__ is looked up, and a census must not print into the user's job. The filter runs
+    # in C (map, compress): a Python loop over the ~290,000 objects of the MLP benchmark's
+    # process took 68 ms in all, against 48 (measured); each object's header is still read once.
+    types = _tensor_types()
+    objs = gc.get_objects()
+    tensors = list(itertools.compress(objs, map(types.__contains__, map(type, objs))))
+    del objs
+    for obj in tensors:
         n += 1
         try:
             graph = obj.grad_fn is not None

@@ -132,6 +132,7 @@ class Recorder:
         self._sampled_step = -1
         self._t_before_update: float | None = None
         self._update_extra: collections.deque = collections.deque(maxlen=5)  # recent samples' cost
+        self._next_hist = 0  # the next histogram step (_plan)
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -359,16 +360,12 @@ class Recorder:
             self._on_oom_exception(exc, exc.__traceback__)
         self.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
-    @staticmethod
-    def _is_sampled(step: int, every: int) -> bool:
-        return step % every == 0
-
     def _set_schedule(self, step: int) -> None:
         """Tell the hooks what the coming step records, and hook every module if it records
         anything per module (a watched step; other steps hook only the root, see hooks.py)."""
         w = self.watcher
         w.sample_activations = self.attention.sampled = step >= self._next_watch
-        w.sample_histograms = bool(self.config.histogram_every) and self._is_sampled(step, self.config.histogram_every)
+        w.sample_histograms = bool(self.config.histogram_every) and step == self._next_hist
         w.sample_tensors = self.samples is not None and self.samples.due(step)
         self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
         w.watch(self._watched)
@@ -377,7 +374,8 @@ class Recorder:
 
     def _plan(self, step: int) -> None:
         """After a step: time it; after a watched step choose the next one (see the config's
-        watch_budget), and after a sampled update ratio note what its two steps cost."""
+        watch_budget), after a histogram step the next one (histogram_budget), and after a
+        sampled update ratio note what its two steps cost."""
         now = time.perf_counter()
         took = now - self._t_last_step if self._t_last_step is not None else None
         self._t_last_step = now
@@ -391,11 +389,14 @@ class Recorder:
                 self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
                                           else (before - plain) + (took - plain))
             self._t_before_update = None
+        w = self.watcher
         if step + 1 == self._next_update:
             self._t_before_update = took
-        elif not self.watcher.sample_activations and not sampled and took is not None:
+        elif not (self._watched or sampled) and took is not None:  # (watched: histograms, samples too)
             self._plain_s.append(took)
-        if self.watcher.sample_activations:
+        if w.sample_histograms:
+            self._next_hist = step + self._hist_gap(step, took)
+        if w.sample_activations:
             cfg = self.config
             base = min(cfg.activations_every, cfg.attention_every)
             plain = self._plain_step_s()
@@ -425,6 +426,17 @@ class Recorder:
             return every
         extra = sorted(self._update_extra)[len(self._update_extra) // 2]
         return self._gap(extra, cfg.update_ratio_budget * plain, every, 10 * every)
+
+    def _hist_gap(self, step: int, took: float | None) -> int:
+        """Steps from this histogram step to the next: histogram_every in the warm-up, then the
+        multiple of it (at most 10x) at which histogram steps, at this one's cost over a plain
+        step, take at most histogram_budget of the training time."""
+        cfg = self.config
+        every = cfg.histogram_every
+        plain = self._plain_step_s()
+        if step + 1 < cfg.watch_warmup or took is None or plain is None:
+            return every
+        return self._gap(took - plain, cfg.histogram_budget * plain, every, 10 * every)
 
     @staticmethod
     def _gap(extra: float, allowed: float, base: int, most: int) -> int:

@@ -223,7 +223,8 @@ def test_unknown_option_is_a_type_error_naming_it(tmp_path):
                                  {"flush_every_s": 0}, {"queue_size": 2.5}, {"cuda_history_entries": 0},
                                  {"cuda_snapshot_every": -1}, {"cuda_memory_history": "yes"},
                                  {"snapshot_every": -1}, {"snapshot_dtype": "int8"}, {"sample_rows": 0},
-                                 {"histogram_every": 1.5}, {"sample_modules": ["0", "no.such.layer"]}])
+                                 {"histogram_every": 1.5}, {"histogram_budget": 0}, {"census_budget": 2},
+                                 {"sample_modules": ["0", "no.such.layer"]}])
 def test_invalid_option_values_are_rejected(tmp_path, bad):
     model, _ = build("mlp")
     with pytest.raises(ValueError, match=next(iter(bad))):

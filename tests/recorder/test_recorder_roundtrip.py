@@ -223,6 +223,60 @@ def test_update_ratio_budget_spacing(tmp_path):
     assert Recorder._gap(-0.2, 0.1, 3, 30) == 3  # a sample that measured faster than a plain step
 
 
+def test_histogram_budget_spacing(tmp_path):
+    """Histograms every histogram_every-th step in the warm-up, then spaced by their measured
+    cost: multiples of histogram_every, at most 10x it; each still counts every element of each
+    weight and gradient it covers."""
+    model, opt = build("mlp")
+    n_steps = 120
+    with Recorder(model, tmp_path / "run", histogram_every=3, watch_warmup=21, histogram_budget=1e-9) as rec:
+        for step in range(n_steps):
+            x, y = batch("mlp", step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            rec.step()
+    numel = [p.numel() for p in model.parameters()]
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        steps = f["histograms/step"][:]
+        params = f["histogram_params/param"][:]
+        weight = f["histograms/weight"][:].reshape(len(steps), len(params), -1)
+        grad = f["histograms/grad"][:].reshape(len(steps), len(params), -1)
+    np.testing.assert_array_equal(steps[:8], np.arange(0, 22, 3))  # every 3rd in the warm-up
+    gaps = np.diff(steps[7:])
+    assert len(gaps) and (gaps % 3 == 0).all() and (gaps >= 3).all() and (gaps <= 30).all(), steps
+    assert steps[-1] >= n_steps - 31, steps  # and they go on to the end
+    expect = np.array([min(numel[i], 262144) for i in params])
+    for counts in (weight, grad):
+        np.testing.assert_array_equal(counts.sum(axis=2), np.broadcast_to(expect, counts.shape[:2]))
+
+
+def test_census_counts_tensor_subclasses(tmp_path):
+    """The census filters the garbage collector's objects by type in C: it counts what a plain
+    Python loop over them counts, parameters and users' own tensor subclasses included."""
+    import gc
+
+    from torchautopsy.recorder.memory import tensor_census
+
+    class Tagged(torch.Tensor):
+        pass
+
+    shape = (7, 11, 13)  # a shape no other tensor of the test process has
+    keep = [torch.nn.Parameter(torch.zeros(shape)), torch.zeros(shape).as_subclass(Tagged)]
+    keep.append(keep[1].view(shape))  # a view: counted, its storage not twice
+    n, _, _, groups = tensor_census()
+    objs = gc.get_objects()
+    ref = [o for o in objs if issubclass(type(o), torch.Tensor)]
+    mine = [o for o in ref if tuple(o.shape) == shape]
+    del objs
+    assert {type(o) for o in mine} >= {torch.nn.Parameter, Tagged}
+    assert n == len(ref)
+    group = [g for g in groups if g["shape"] == "[7, 11, 13]" and g["dtype"] == "float32"]
+    assert sum(g["count"] for g in group) == len(mine) >= 3
+    del keep, ref, mine
+    assert tensor_census()[0] <= n - 3
+
+
 class _Affine(torch.nn.Module):
     def __init__(self, mean, std):
         super().__init__()
