@@ -7,7 +7,8 @@ help is to wrap those functions in their modules (``torch.nn.functional``, ``tor
 recorder is active. Each wrapper calls the original function with exactly the arguments it was
 given and returns its result untouched; only then does it show the result to the observers.
 A call made by another wrapped function (``F.relu`` calls ``torch.relu``) is observed once, at
-the outermost wrapper.
+the outermost wrapper. Calls are observed only on the steps a recorder watches (every module
+hooked, see hooks.py); on the other steps a wrapper only calls the original.
 
 Also timed: ``__next__`` of DataLoader iterators (the training's wait for its next batch).
 
@@ -37,12 +38,17 @@ _lock = threading.Lock()
 # and on_observer_error(e).
 _observers: list = []
 _originals: dict[tuple[int, str], object] = {}
+# ids of the observers that watch the coming step (watching()). Calls are observed only on such
+# steps; on the others (most of them) a wrapper goes straight to the original function.
+_watching: set[int] = set()
 
 
 def _wrap(namespace, attr: str, kind: str):
     original = getattr(namespace, attr)
 
     def wrapper(*args, **kwargs):
+        if not _watching:  # a step nobody watches: ~0.2 us instead of ~3 (measured)
+            return original(*args, **kwargs)
         depth = getattr(_state, "depth", 0)
         _state.depth = depth + 1
         try:
@@ -110,9 +116,19 @@ def _loader_iter():
     return _BaseDataLoaderIter
 
 
+def watching(observer, on: bool) -> None:
+    """Whether ``observer`` wants the calls of the coming step (its activation and attention
+    calls are observed on watched steps only)."""
+    if on:
+        _watching.add(id(observer))
+    else:
+        _watching.discard(id(observer))
+
+
 def detach(observer) -> None:
     """Stop showing calls to ``observer``; the last one out restores the original functions."""
     with _lock:
+        _watching.discard(id(observer))
         if observer in _observers:
             _observers.remove(observer)
         if not _observers:

@@ -369,6 +369,7 @@ class Recorder:
         w.sample_tensors = self.samples is not None and self.samples.due(step)
         self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
         w.watch(self._watched)
+        functional.watching(self, self._watched)
         self._replayed = None
         self.activity.step = self.attention.step = step
 
