@@ -70,7 +70,8 @@ def bin_edges() -> tuple[np.ndarray, np.ndarray]:
 # A tensor with more elements is histogrammed over its first rows (stats.stats_part): the
 # distribution of a weight matrix or a batch's activations, from 262,144 of its elements. All of
 # the small transformer's weights, gradients and outputs took ~50 ms per histogram step on one
-# core, ~0.6% of its training at every 100 steps (measured).
+# core, ~0.6% of its training at every 100 steps (measured): they are on a budget
+# (config.histogram_budget).
 HIST_MAX_ELEMENTS = 1 << 18
 
 

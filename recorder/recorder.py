@@ -893,7 +893,7 @@ class Recorder:
 
     def _census(self, step: int, memory: int) -> tuple[dict, list[dict]]:
         """Live tensor census on a sparse schedule that keeps its cost near census_budget of
-        training (0.3%), and also when memory (CUDA allocated, else RSS) climbs to a new high: 10%
+        training (0.15%), and also when memory (CUDA allocated, else RSS) climbs to a new high: 10%
         and 64 MiB above the highest a census saw, at least 10 steps after the last one. So the
         trace knows what held the memory near its peak."""
         none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
