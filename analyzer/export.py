@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import TraceFormatError
+from .series import spacing
 from .trace import RankTrace
 
 # torch dtype name (as the trace spells it) -> safetensors dtype
@@ -206,7 +207,8 @@ def describe_stored(rt: RankTrace) -> list[tuple[str, bool, str]]:
         out.append(("Sampled activations and gradients", False, "none (sample_every=0, or not recorded)"))
     steps = rt.histogram_steps
     out.append(("Histograms of weights, gradients, activations", len(steps) > 0,
-                f"{len(steps):,} steps (every {cfg.get('histogram_every', '?')}); fixed bins, NaN and ±Inf counted"
+                f"{len(steps):,} steps (every {spacing(steps) or cfg.get('histogram_every', '?')}); fixed bins, "
+                "NaN and ±Inf counted"
                 if len(steps) else "none (histogram_every=0, or not recorded)"))
     bb = rt.blackbox
     if len(bb):

@@ -47,8 +47,8 @@ def figures(ctx: Context) -> list[Figure]:
         at = ", ".join(f"{int(x):,}" for x in steps[:5])
         return [no_figure(ctx.title_rank("Value distributions over steps", rt.rank),
                           f"Not drawn: the trace holds histograms of weights, gradients and activations at "
-                          f"step {at} only, too few to show a change over steps (histogram_every of the "
-                          f"recorder sets how often they are taken).")]
+                          f"step {at} only, too few to show a change over steps (histogram_every and "
+                          f"histogram_budget of the recorder set how often they are taken).")]
     n_groups = min(MAX_GROUPS, max(len(d[1]) for d in data.values()))
     labels = ("early", "middle", "late") if n_groups == 3 else ("early", "late") if n_groups == 2 else ("all",)
     for g in range(n_groups):
