@@ -237,13 +237,28 @@ def main(argv=None) -> None:
     ap.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
                     help="glibc's malloc thresholds in every run: fixed (default; see above) or "
                          "left to glibc's dynamic adjustment")
-    ap.add_argument("--json", metavar="PATH", help="also write every run's measurements to PATH")
+    ap.add_argument("--json", metavar="PATH", help="also write every run's measurements to PATH (after each run)")
+    ap.add_argument("--table-from", metavar="PATH",
+                    help="print the table from the runs a --json PATH saved (an interrupted run's too), run nothing")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads)))
+        return
+
+    if args.table_from:
+        try:
+            with open(args.table_from) as f:
+                runs = json.load(f)
+        except (OSError, ValueError) as e:
+            ap.error(f"--table-from {args.table_from}: cannot read it ({e}); give a file that --json wrote")
+        if not isinstance(runs, list) or not runs:
+            ap.error(f"--table-from {args.table_from}: no runs in it; give a file that --json wrote")
+        order = lambda key, known: [k for k in known if any(r[key] == k for r in runs)]  # noqa: E731
+        print_table(runs, runs[0]["steps"], runs[0]["warmup"], order("workload", WORKLOADS), order("config", CONFIGS),
+                    describe_malloc(runs[0].get("malloc", "fixed")), f"{len(runs)} runs from {args.table_from}")
         return
 
     if args.quick:
@@ -257,8 +272,7 @@ def main(argv=None) -> None:
         print("note: without `bare` there are no ratios")
 
     modes = (("cpu", 1), ("wall", 2))
-    malloc_desc = ("fixed (" + " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items()) + ")"
-                   if args.malloc == "fixed" else "left to glibc")
+    malloc_desc = describe_malloc(args.malloc)
     print(f"{len(workloads)} workloads x {len(configs)} configs x {args.repeats} repeats x 2 modes, "
           f"{args.steps} steps after {args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
     t0 = time.perf_counter()
@@ -272,20 +286,38 @@ def main(argv=None) -> None:
                     r = run_child(w, c, args, threads)
                     r["mode"], r["malloc"] = mode, args.malloc
                     runs.append(r)
+                    if args.json:  # after every run: an interrupted benchmark keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump(runs, f, indent=1)
                     per = (r["cpu_s"] if mode == "cpu" else r["wall_s"]) / args.steps * 1e3
                     print(f"  [{rep + 1}/{args.repeats}] {mode:4} {w:11} {c:11} {per:8.2f} ms/step",
                           flush=True)
     elapsed = time.perf_counter() - t0
+    print_table(runs, args.steps, args.warmup, workloads, configs, malloc_desc,
+                f"{len(runs)} runs in {elapsed:.0f} s")
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
+
+def describe_malloc(malloc: str) -> str:
+    return ("fixed (" + " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items()) + ")"
+            if malloc == "fixed" else "left to glibc")
+
+
+def print_table(runs: list[dict], steps: int, warmup: int, workloads: list[str], configs: list[str],
+                malloc_desc: str, source: str) -> None:
+    """The table of best runs, ratios to the bare loop, bytes and memory; the warm-up's cost."""
+    counts = [sum(1 for r in runs if (r["workload"], r["config"], r["mode"]) == k)
+              for k in {(r["workload"], r["config"], r["mode"]) for r in runs}]
+    repeats = str(max(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+    def complete(w, c):
+        return all(any(r["workload"] == w and r["config"] == c and r["mode"] == m for r in runs)
+                   for m in ("cpu", "wall"))
 
     def least(w, c, mode, key):
         return min(r[key] for r in runs if r["workload"] == w and r["config"] == c and r["mode"] == mode)
 
     def best(w, c, mode):
-        return least(w, c, mode, f"{mode}_s") / args.steps * 1e3
+        return least(w, c, mode, f"{mode}_s") / steps * 1e3
 
     header = ("workload", "config", "wall ms/step (2 thr)", "ratio (wall)", "CPU ms/step (1 thr)",
               "ratio (CPU)", "bytes/step", "peak RSS MiB")
@@ -294,8 +326,10 @@ def main(argv=None) -> None:
     for w in workloads:
         for c in configs:
             mine = [r for r in runs if r["workload"] == w and r["config"] == c]
+            if not complete(w, c):  # (a table from an interrupted run's JSON)
+                continue
             wall, cpu = best(w, c, "wall"), best(w, c, "cpu")
-            if "bare" in configs:
+            if complete(w, "bare"):
                 rw, rc = wall / best(w, "bare", "wall"), cpu / best(w, "bare", "cpu")
                 ratios = (f"{rw:.3f}x", f"{rc:.3f}x")
                 if c == "recorder":
@@ -304,7 +338,7 @@ def main(argv=None) -> None:
                             worst = (r, w, kind)
             else:
                 ratios = ("-", "-")
-            total_steps = args.steps + args.warmup
+            total_steps = steps + warmup
             bps = max(r["bytes"] for r in mine) / total_steps
             rss = max(r["maxrss_kib"] for r in mine) / 1024
             rows.append((w, c, f"{wall:.2f}", ratios[0], f"{cpu:.2f}", ratios[1], f"{bps:,.0f}",
@@ -319,14 +353,14 @@ def main(argv=None) -> None:
     for r in rows:
         print(fmt(r))
     print()
-    print(f"best of {args.repeats} runs each; {args.steps} steps after {args.warmup} warm-up, "
-          f"the recorder/writer close() included; bytes/step = run dir size / {args.steps + args.warmup} "
-          f"steps; malloc thresholds {malloc_desc}; {len(runs)} runs in {elapsed:.0f} s")
-    if "bare" in configs and "recorder" in configs and args.warmup:
-        for w in workloads:
+    print(f"best of {repeats} runs each; {steps} steps after {warmup} warm-up, "
+          f"the recorder/writer close() included; bytes/step = run dir size / {steps + warmup} "
+          f"steps; malloc thresholds {malloc_desc}; {source}")
+    if warmup:
+        for w in [w for w in workloads if complete(w, "bare") and complete(w, "recorder")]:
             once = {mode: least(w, "recorder", mode, f"warmup_{mode}_s") - least(w, "bare", mode, f"warmup_{mode}_s")
                     for mode in ("cpu", "wall")}
-            print(f"recorder warm-up, paid once ({w}: its creation and the first {args.warmup} steps, not in the "
+            print(f"recorder warm-up, paid once ({w}: its creation and the first {warmup} steps, not in the "
                   f"ratios): +{once['cpu'] * 1e3:.0f} ms CPU, +{once['wall'] * 1e3:.0f} ms wall over the bare loop")
     if worst is not None:
         print(f"worst ratio of the default recorder: {worst[0]:.3f}x ({worst[1]}, {worst[2]})")
