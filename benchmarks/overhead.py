@@ -325,9 +325,9 @@ def print_table(runs: list[dict], steps: int, warmup: int, workloads: list[str],
     worst = None
     for w in workloads:
         for c in configs:
-            mine = [r for r in runs if r["workload"] == w and r["config"] == c]
             if not complete(w, c):  # (a table from an interrupted run's JSON)
                 continue
+            mine = [r for r in runs if r["workload"] == w and r["config"] == c]
             wall, cpu = best(w, c, "wall"), best(w, c, "cpu")
             if complete(w, "bare"):
                 rw, rc = wall / best(w, "bare", "wall"), cpu / best(w, "bare", "cpu")

@@ -395,18 +395,19 @@ class Recorder:
             self._t_before_update = took
         elif not (self._watched or sampled) and took is not None:  # (watched: histograms, samples too)
             self._plain_s.append(took)
-        if w.sample_histograms:
-            self._next_hist = step + self._hist_gap(step, took)
-        if w.sample_activations:
+        if w.sample_histograms or w.sample_activations:
             cfg = self.config
-            base = min(cfg.activations_every, cfg.attention_every)
             plain = self._plain_step_s()
-            warm = step + 1 >= cfg.watch_warmup and took is not None and plain is not None
-            # At most one activity window apart: every window (dead units) and every stretch
-            # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
-            self._next_watch = step + (self._gap(took - plain, cfg.watch_budget * plain, base,
-                                                 max(base, -(-cfg.activity_window // base) * base))
-                                       if warm else base)
+            over = took - plain if took is not None and plain is not None else None  # this step's extra
+            if w.sample_histograms:
+                every = cfg.histogram_every
+                self._next_hist = step + self._budget_gap(step, over, plain, cfg.histogram_budget, every, 10 * every)
+            if w.sample_activations:
+                base = min(cfg.activations_every, cfg.attention_every)
+                # At most one activity window apart: every window (dead units) and every stretch
+                # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
+                self._next_watch = step + self._budget_gap(step, over, plain, cfg.watch_budget, base,
+                                                           max(base, -(-cfg.activity_window // base) * base))
 
     def _plain_step_s(self) -> float | None:
         """Median time of the recent plain steps (neither watched nor part of an update-ratio
@@ -416,28 +417,21 @@ class Recorder:
         return sorted(self._plain_s)[n // 2] if n >= 3 else None
 
     def _update_gap(self, step: int) -> int:
-        """Steps from this sampled update ratio to the next: update_ratio_every in the warm-up,
-        then the multiple of it (at most 10x) at which samples, at the median cost of the last
-        few (one step can be slowed by anything: a census, the OS), take at most
-        update_ratio_budget of the training time."""
-        cfg = self.config
-        every = cfg.update_ratio_every
-        plain = self._plain_step_s()
-        if step + 1 < cfg.watch_warmup or plain is None or not self._update_extra:
-            return every
-        extra = sorted(self._update_extra)[len(self._update_extra) // 2]
-        return self._gap(extra, cfg.update_ratio_budget * plain, every, 10 * every)
+        """Steps from this sampled update ratio to the next, at the median cost of the last few
+        samples (one step can be slowed by anything: a census, the OS)."""
+        every, extra = self.config.update_ratio_every, self._update_extra
+        return self._budget_gap(step, sorted(extra)[len(extra) // 2] if extra else None, self._plain_step_s(),
+                                self.config.update_ratio_budget, every, 10 * every)
 
-    def _hist_gap(self, step: int, took: float | None) -> int:
-        """Steps from this histogram step to the next: histogram_every in the warm-up, then the
-        multiple of it (at most 10x) at which histogram steps, at this one's cost over a plain
-        step, take at most histogram_budget of the training time."""
-        cfg = self.config
-        every = cfg.histogram_every
-        plain = self._plain_step_s()
-        if step + 1 < cfg.watch_warmup or took is None or plain is None:
-            return every
-        return self._gap(took - plain, cfg.histogram_budget * plain, every, 10 * every)
+    def _budget_gap(self, step: int, extra: float | None, plain: float | None, budget: float,
+                    base: int, most: int) -> int:
+        """Steps to the next sample of a budgeted schedule (watched steps, histograms, update
+        ratios): `base` in the warm-up (watch_warmup) or while a sample's `extra` seconds or the
+        plain step's time are unknown; then the multiple of `base`, at most `most`, at which
+        samples take at most `budget` of the training time."""
+        if step + 1 < self.config.watch_warmup or extra is None or plain is None:
+            return base
+        return self._gap(extra, budget * plain, base, most)
 
     @staticmethod
     def _gap(extra: float, allowed: float, base: int, most: int) -> int:
