@@ -36,14 +36,17 @@ def cuda_bytes(device: torch.device | None) -> tuple[int, int, int]:
     """(allocated, reserved, peak allocated) of the CUDA caching allocator, or -1s without CUDA.
 
     These are host-side counters of the allocator: reading them does not synchronise the GPU.
+    One read of the allocator's nested stats (~25 us): torch.cuda.memory_allocated() and its
+    siblings each flatten the whole dict of ~160 counters in Python, ~0.15 ms a call (measured
+    on an H100 host, three of them were ~0.45 ms of a 2.5 ms training step).
     """
     if device is None or device.type != "cuda":
         return -1, -1, -1
-    return (
-        torch.cuda.memory_allocated(device),
-        torch.cuda.memory_reserved(device),
-        torch.cuda.max_memory_allocated(device),
-    )
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # CUDA not initialised yet: nothing allocated
+        return 0, 0, 0
+    allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+    return allocated["current"], reserved["current"], allocated["peak"]
 
 
 # Groups kept per census: the largest by bytes and the most numerous (a leak of small tensors,
