@@ -87,7 +87,12 @@ def histogram(x: torch.Tensor, max_elements: int = HIST_MAX_ELEMENTS) -> torch.T
     if x.dtype != torch.float32:
         x = x.float()
     bits = x.contiguous().view(torch.int32)
-    counts = torch.bincount((bits >> 22) & 0x3FF, minlength=1024)
+    codes = (bits >> 22) & 0x3FF
+    if x.device.type == "cpu":
+        counts = torch.bincount(codes, minlength=1024)
+    else:  # bincount synchronises on CUDA (it reads the largest code first); index_add_ does not
+        counts = torch.zeros(1024, dtype=torch.long, device=x.device).index_add_(
+            0, codes.flatten(), torch.ones(codes.numel(), dtype=torch.long, device=x.device))
     table = _TABLES.get(x.device)
     if table is None:
         table = _TABLES[x.device] = torch.from_numpy(_CODE_TABLE).to(x.device)
