@@ -5,6 +5,7 @@ CUDA paths. The rest of the suite covers the same code on the CPU.
 """
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -17,13 +18,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 class NaNAt(nn.Module):
+    """Multiplies by NaN at one step. Its call counter is a buffer, on the GPU with the model:
+    state that the black box's replay of the step starts from, so the replay reproduces it."""
+
     def __init__(self, step):
         super().__init__()
-        self.step, self.calls = step, 0
+        self.step = step
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         self.calls += 1
-        return x * math.nan if self.calls == self.step + 1 else x
+        return x * math.nan if int(self.calls) == self.step + 1 else x
 
 
 def test_recorder_on_cuda(tmp_path):
@@ -43,8 +48,11 @@ def test_recorder_on_cuda(tmp_path):
     assert rt.meta["device"].startswith("cuda")
     assert (steps["cuda_allocated_bytes"] > 0).all() and (steps["cuda_reserved_bytes"] > 0).all()
     assert (steps["cuda_peak_bytes"] >= steps["cuda_allocated_bytes"]).all()
+    # Step 25 was not watched: the black box replayed its forward on a copy of the model, on the
+    # GPU, from the buffers and CUDA RNG state the step started from, and found the module.
     origin = steps["nonfinite_origin"].to_numpy()
-    assert (origin[:25] == -1).all() and rt.module_names[origin[25]] == "2"
+    assert (origin[:25] == -1).all() and origin[25] >= 0 and rt.module_names[origin[25]] == "2"
+    assert rt.blackbox["detail"].iloc[0]["trigger_detail"]["origin_replay"] == "reproduced: module '2'"
     ops = rt.profile_ops(0)
     assert (ops["device_self_us"] > 0).any()  # CUDA kernels were profiled
     g = rt.param_stat("grad_norm").to_numpy()
@@ -221,3 +229,52 @@ def test_a_cuda_leak_names_the_allocation_site_that_grew(tmp_path):
     assert "in keep_outputs" in f.summary
     kept.clear()
     torch.cuda.empty_cache()
+
+
+def _syncs_per_step(model, rec, steps, dev):
+    """Host synchronisations per training step, as CUDA's sync debug mode reports them."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 256, device=dev), torch.randint(0, 10, (64,), device=dev)
+    counts = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.step(loss=loss)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return counts
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_host_syncs_per_step(tmp_path, deterministic):
+    """Two on a plain step: the gradient norms before the optimizer's update (the black box needs
+    them then) and the loss. Watched, histogram and update-ratio steps batch their reductions
+    into one more transfer; the first step sets up. Also under torch's deterministic mode, whose
+    ops must not stop the recording."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10)).to(dev)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with Recorder(model, tmp_path, profile_steps=0, cuda_snapshot_first=0, cuda_snapshot_every=0) as rec:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # a recorder error would stop it
+                counts = _syncs_per_step(model, rec, 120, dev)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    later = counts[1:]
+    assert sorted(later)[len(later) // 2] == 2, counts  # the plain steps
+    assert max(later) <= 4, counts  # watched steps, the histograms at step 100 included
+    rt = load(tmp_path).ranks[0]
+    assert rt.meta["end_reason"] == "closed" and len(rt.steps) == 120
+    assert {0, 100} <= set(rt.histogram_steps.tolist())
+    _, _, counts = rt.histograms("grad")
+    assert (counts.sum(axis=2) > 0).all()  # every gradient histogrammed, on the device
