@@ -133,7 +133,7 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
             out["allocator_settings"] = json.loads(row["allocator_settings"]) if row["allocator_settings"] else {}
         except json.JSONDecodeError:
             out["allocator_settings"] = {}
-    return out
+    return _with_extra(out, row["extra"])
 
 
 # -- what held the memory ------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class SnapshotConverter:
                 if len(self._frames) >= self.MAX_FRAMES:
                     return -1
                 i = self._frames[key] = len(self._frames)
-                rows["memory_frames"].append({"filename": key[0][:1024], "line": key[1], "name": key[2][:512],
+                rows["memory_frames"].append({"filename": key[0][:4096], "line": key[1], "name": key[2][:4096],
                                               "keys": key[3], "extra": key[4]})
             ids.append(i)
         key = tuple(ids)
@@ -144,6 +144,7 @@ class SnapshotConverter:
             "snapshot": snapshot, "step": step, "reason": reason, "time_s": time_s, "device": device,
             "allocated_bytes": allocated, "reserved_bytes": reserved, "n_device_traces": len(traces),
             "allocator_settings": settings_json, "keys": _mask(snap, SNAPSHOT_KEYS),
+            "extra": _extra(snap, SNAPSHOT_KEYS + ("segments",)),
         })
         return rows
 

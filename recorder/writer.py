@@ -175,6 +175,7 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("n_device_traces", "i4"),
             Column("allocator_settings", "str"),  # JSON; "" when the snapshot had none
             Column("keys", "i4"),
+            Column("extra", "str"),  # JSON of the snapshot's other keys (external_annotations, ...)
         ],
         "memory_segments": [
             Column("snapshot", "i4"),

@@ -19,10 +19,16 @@ class MemoryTables:
     def memory_snapshots(self) -> pd.DataFrame:
         """CUDA allocator snapshots: snapshot, step, reason (schedule, peak, oom, exception),
         time_s, device, allocated_bytes, reserved_bytes, n_device_traces, allocator_settings
-        (JSON text), keys. Empty for CPU runs and older traces."""
+        (JSON text), keys, extra (JSON text of the snapshot's other keys; "" in traces older
+        than it). Empty for CPU runs and older traces."""
         cols = ("snapshot", "step", "reason", "time_s", "device", "allocated_bytes", "reserved_bytes",
                 "n_device_traces", "allocator_settings", "keys")
-        return self._texts_table("memory_snapshots", cols, ("reason", "allocator_settings"))
+        extra = self._has("memory_snapshots/extra")
+        df = self._texts_table("memory_snapshots", cols + ("extra",) * extra,
+                               ("reason", "allocator_settings") + ("extra",) * extra)
+        if not extra:
+            df["extra"] = ""
+        return df
 
     def memory_snapshot_rows(self, snapshot: int) -> dict[str, pd.DataFrame]:
         """One snapshot's rows: {"segments", "blocks", "trace"} DataFrames, in recorded order

@@ -92,6 +92,18 @@ def documented_snapshot() -> dict:
     }
 
 
+def newer_snapshot() -> dict:
+    """The documented snapshot with what torch 2.11 adds on an H100 (seen there): a top-level
+    "external_annotations" list, and C++ frames (a history that records "all" stacks) whose
+    template names run past 512 characters."""
+    snap = documented_snapshot()
+    snap["external_annotations"] = [{"time_us": 1000, "stage": "START", "name": "optimizer"}]
+    cpp = "c10::impl::wrap_kernel_functor_unboxed_<" + "c10::ArrayRef<c10::SymInt>, " * 40 + ">::call"
+    assert len(cpp) > 1000
+    snap["device_traces"][0][0]["frames"].append({"filename": "??", "line": 0, "name": cpp})
+    return snap
+
+
 def profiled_snapshot() -> dict:
     """A snapshot torch builds itself on the CPU, from a memory profile (older key set, extra
     "category" keys, no addresses on blocks)."""
@@ -132,7 +144,7 @@ def record_with(run_dir, snapshots, oom_at=None):
                     "raised_at": ""}})
 
 
-@pytest.mark.parametrize("make", [documented_snapshot, profiled_snapshot])
+@pytest.mark.parametrize("make", [documented_snapshot, newer_snapshot, profiled_snapshot])
 def test_export_gives_back_the_snapshot_and_torch_memory_viz_reads_it(tmp_path, make):
     snap = make()
     record_with(tmp_path / "run", [(snap, "schedule"), (snap, "oom")])
