@@ -133,13 +133,22 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-def child(workload: str, config: str, steps: int, warmup: int, threads: int) -> dict:
+def child(workload: str, config: str, steps: int, warmup: int, threads: int, device: str = "cpu") -> dict:
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, opt, loss_fn, batches = build(workload)
+    dev = torch.device(device)
+    on_cuda = dev.type == "cuda"
+    if on_cuda:  # the same model and batches, moved to the GPU before the optimizer's first step
+        model.to(dev)
+        batches = [(x.to(dev), y.to(dev)) for x, y in batches]
     model.train()
+
+    def sync() -> None:  # a GPU runs behind the host: time its work, not only its launches
+        if on_cuda:
+            torch.cuda.synchronize(dev)
 
     with tempfile.TemporaryDirectory(prefix="torchautopsy-bench-") as tmp:
         run_dir = os.path.join(tmp, "run")
@@ -174,16 +183,19 @@ def child(workload: str, config: str, steps: int, warmup: int, threads: int) -> 
 
         for i in range(warmup):
             train_step(i)
+        sync()
 
         cpu0, wall0 = time.process_time(), time.perf_counter()
         warm_cpu, warm_wall = cpu0 - warm_cpu0, wall0 - warm_wall0
         for i in range(warmup, warmup + steps):
             train_step(i)
+        sync()
         cpu_loop, wall_loop = time.process_time() - cpu0, time.perf_counter() - wall0
         if rec is not None:
             rec.close()
         if tb is not None:
             tb.close()
+        sync()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
 
         written = dir_bytes(run_dir) if os.path.isdir(run_dir) else 0
@@ -195,6 +207,8 @@ def child(workload: str, config: str, steps: int, warmup: int, threads: int) -> 
         "warmup_cpu_s": warm_cpu, "warmup_wall_s": warm_wall,  # creation + the warm-up steps
         "bytes": written,
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
+        "device": device,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(dev) if on_cuda else 0,
     }
 
 
@@ -209,7 +223,7 @@ def run_child(workload: str, config: str, args, threads: int) -> dict:
     if args.malloc == "fixed":
         env.update(FIXED_MALLOC)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, config,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads), "--device", args.device]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
@@ -240,12 +254,14 @@ def main(argv=None) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write every run's measurements to PATH (after each run)")
     ap.add_argument("--table-from", metavar="PATH",
                     help="print the table from the runs a --json PATH saved (an interrupted run's too), run nothing")
+    ap.add_argument("--device", default="cpu",
+                    help="where the workloads train: cpu (default; the issue's figures) or cuda (a GPU, for comparison)")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
-        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads)))
+        print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
         return
 
     if args.table_from:
@@ -362,6 +378,11 @@ def print_table(runs: list[dict], steps: int, warmup: int, workloads: list[str],
                     for mode in ("cpu", "wall")}
             print(f"recorder warm-up, paid once ({w}: its creation and the first {warmup} steps, not in the "
                   f"ratios): +{once['cpu'] * 1e3:.0f} ms CPU, +{once['wall'] * 1e3:.0f} ms wall over the bare loop")
+    device = runs[0].get("device", "cpu")
+    if device != "cpu":
+        peaks = ", ".join(f"{w}/{c} {max(r['cuda_peak_bytes'] for r in runs if (r['workload'], r['config']) == (w, c)) / 2**20:.0f}"
+                          for w in workloads for c in configs if complete(w, c))
+        print(f"device {device}; peak GPU memory allocated (MiB): {peaks}")
     if worst is not None:
         print(f"worst ratio of the default recorder: {worst[0]:.3f}x ({worst[1]}, {worst[2]})")
 
