@@ -212,22 +212,131 @@ def child(workload: str, config: str, steps: int, warmup: int, threads: int, dev
     }
 
 
+def paired_child(workload: str, steps: int, warmup: int, block: int = 10) -> dict:
+    """Two identical copies of a workload in one process, A recorded and B bare, trained in
+    alternating blocks of `block` steps on one thread: the same machine state for both, to
+    the block, where fresh processes differ by several percent (see print_paired)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model_a, opt_a, loss_fn, batches = build(workload)
+    torch.manual_seed(0)
+    model_b, opt_b, _, _ = build(workload)
+    model_a.train()
+    model_b.train()
+    thread_time = time.thread_time
+
+    with tempfile.TemporaryDirectory(prefix="torchautopsy-bench-") as tmp:
+        from torchautopsy import Recorder
+
+        rec = Recorder(model_a, os.path.join(tmp, "run"))
+
+        def train_step(model, opt, i: int, recorded: bool) -> float:
+            t = thread_time()
+            x, y = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            if recorded:
+                rec.step(loss=loss)
+            else:
+                loss.item()
+            return thread_time() - t
+
+        for i in range(warmup):
+            train_step(model_a, opt_a, i, True)
+            train_step(model_b, opt_b, i, False)
+        # Blocks start half a block off the multiples of `block`: the recorder times its steps
+        # from one rec.step() to the next, so the first step of each of A's blocks also holds
+        # B's block. That step must be a plain one, never a sample its budgets are timed from
+        # (watched steps, histograms and update ratios fall on multiples of 10).
+        i = warmup
+        while i % block != block // 2:
+            train_step(model_a, opt_a, i, True)
+            train_step(model_b, opt_b, i, False)
+            i += 1
+        cpu_a = cpu_b = 0.0
+        n_a = n_b = 0
+        proc0, main0 = time.process_time(), thread_time()
+        while n_a < steps:
+            order = (True, False) if (i // block) % 2 else (False, True)  # who goes first alternates
+            for recorded in order:
+                for k in range(min(block, steps - n_a) if recorded else block):
+                    if recorded:
+                        cpu_a += train_step(model_a, opt_a, i + k, True)
+                        n_a += 1
+                    else:
+                        cpu_b += train_step(model_b, opt_b, i + k, False)
+                        n_b += 1
+            i += block
+        t = thread_time()
+        rec.close()
+        close_main = thread_time() - t
+        # Every other thread's CPU in the span: the recorder's writer (one intra-op thread and
+        # no DataLoader: the bare model runs no thread of its own)
+        others = (time.process_time() - proc0) - (thread_time() - main0)
+    return {"workload": workload, "steps": steps, "warmup": warmup, "block": block,
+            "recorded_main_s": cpu_a, "close_main_s": close_main, "other_threads_s": others,
+            "bare_main_s": cpu_b, "n_recorded": n_a, "n_bare": n_b}
+
+
+def print_paired(runs: list[dict], workloads: list[str]) -> None:
+    """The paired runs' table: per workload, the recorded and the bare copy's CPU a step."""
+    header = ("workload", "bare CPU ms/step", "recorded ms/step", "of it: close + writer", "ratio (CPU)", "runs")
+    rows = []
+    for w in workloads:
+        mine = [r for r in runs if r["workload"] == w]
+        if not mine:
+            continue
+        ratios = []
+        for r in mine:
+            a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
+            b = r["bare_main_s"] / r["n_bare"]
+            ratios.append((a / b, a, b, (r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]))
+        ratios.sort()
+        med = ratios[len(ratios) // 2]
+        spread = f"{ratios[0][0]:.3f}-{ratios[-1][0]:.3f}x" if len(ratios) > 1 else "-"
+        rows.append((w, f"{med[2] * 1e3:.2f}", f"{med[1] * 1e3:.2f}", f"{med[3] * 1e3:.3f}", f"{med[0]:.3f}x",
+                     f"{len(ratios)} ({spread})"))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    fmt = lambda cells: " | ".join(  # noqa: E731
+        c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(cells, widths)))
+    print()
+    print("paired, in one process (1 thread, CPU time; median run, and the runs' range):")
+    print(fmt(header))
+    print("-+-".join("-" * wd for wd in widths))
+    for r in rows:
+        print(fmt(r))
+    r0 = runs[0]
+    print(f"{r0['steps']} steps of each copy after {r0['warmup']} warm-up steps, in alternating blocks of "
+          f"{r0['block']}; the recorded copy's CPU is its main thread's, its close() and the writer "
+          f"thread's. Both copies share the process, so the bare one also passes the recorder's global "
+          f"hooks (the optimizer pre-hook, the activation wrappers), which return at once for it.")
+
+
 # ---------------------------------------------------------------------------------------------
 # Parent: schedule the children, print the table
 # ---------------------------------------------------------------------------------------------
 
 def run_child(workload: str, config: str, args, threads: int) -> dict:
+    return _run([*(("--paired-child", workload) if config == "paired" else ("--child", workload, config)),
+                 "--threads", str(threads), "--device", args.device], args, threads, f"{workload}/{config}")
+
+
+def _run(child_args: list[str], args, threads: int, what: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     for k in FIXED_MALLOC:
         env.pop(k, None)
     if args.malloc == "fixed":
         env.update(FIXED_MALLOC)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, config,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads), "--device", args.device]
+    cmd = [sys.executable, os.path.abspath(__file__), *child_args, "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
-        raise SystemExit(f"child {workload}/{config} ({threads} threads) failed, rc={p.returncode}")
+        raise SystemExit(f"child {what} ({threads} threads) failed, rc={p.returncode}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -256,12 +365,19 @@ def main(argv=None) -> None:
                     help="print the table from the runs a --json PATH saved (an interrupted run's too), run nothing")
     ap.add_argument("--device", default="cpu",
                     help="where the workloads train: cpu (default; the issue's figures) or cuda (a GPU, for comparison)")
+    ap.add_argument("--paired", action="store_true",
+                    help="instead of the table: each workload's bare and recorded copies in one process, "
+                         "alternating blocks of 10 steps, CPU time (--repeats runs of each)")
+    ap.add_argument("--paired-child", metavar="WORKLOAD", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
+        return
+    if args.paired_child:
+        print(json.dumps(paired_child(args.paired_child, args.steps, args.warmup)))
         return
 
     if args.table_from:
@@ -273,6 +389,9 @@ def main(argv=None) -> None:
         if not isinstance(runs, list) or not runs:
             ap.error(f"--table-from {args.table_from}: no runs in it; give a file that --json wrote")
         order = lambda key, known: [k for k in known if any(r[key] == k for r in runs)]  # noqa: E731
+        if all("n_recorded" in r for r in runs):  # a --paired run's
+            print_paired(runs, order("workload", WORKLOADS))
+            return
         print_table(runs, runs[0]["steps"], runs[0]["warmup"], order("workload", WORKLOADS), order("config", CONFIGS),
                     describe_malloc(runs[0].get("malloc", "fixed")), f"{len(runs)} runs from {args.table_from}")
         return
@@ -287,8 +406,29 @@ def main(argv=None) -> None:
     if "bare" not in configs:
         print("note: without `bare` there are no ratios")
 
-    modes = (("cpu", 1), ("wall", 2))
     malloc_desc = describe_malloc(args.malloc)
+    if args.paired:
+        if args.device != "cpu":
+            ap.error("--paired measures CPU time: it runs on the CPU only")
+        print(f"paired: {len(workloads)} workloads x {args.repeats} repeats, {args.steps} steps of each copy after "
+              f"{args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
+        runs = []
+        for rep in range(args.repeats):
+            for w in workloads:
+                r = run_child(w, "paired", args, 1)
+                r["malloc"] = args.malloc
+                runs.append(r)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(runs, f, indent=1)
+                a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
+                b = r["bare_main_s"] / r["n_bare"]
+                print(f"  [{rep + 1}/{args.repeats}] {w:11} bare {b * 1e3:7.2f}  recorded {a * 1e3:7.2f} ms/step  "
+                      f"{a / b:.3f}x", flush=True)
+        print_paired(runs, workloads)
+        return
+
+    modes = (("cpu", 1), ("wall", 2))
     print(f"{len(workloads)} workloads x {len(configs)} configs x {args.repeats} repeats x 2 modes, "
           f"{args.steps} steps after {args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
     t0 = time.perf_counter()
