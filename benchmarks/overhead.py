@@ -212,28 +212,35 @@ def child(workload: str, config: str, steps: int, warmup: int, threads: int, dev
     }
 
 
-def paired_child(workload: str, steps: int, warmup: int, block: int = 10) -> dict:
+def paired_child(workload: str, steps: int, warmup: int, threads: int, block: int = 10) -> dict:
     """Two identical copies of a workload in one process, A recorded and B bare, trained in
-    alternating blocks of `block` steps on one thread: the same machine state for both, to
-    the block, where fresh processes differ by several percent (see print_paired)."""
+    alternating blocks of `block` steps: the same machine state for both, to the block, where
+    fresh processes differ by several percent (see print_paired).
+
+    threads=1 (mode cpu): each step's main-thread CPU time; A also pays its close() and the CPU
+    of every other thread of the process (the writer's: one intra-op thread, no DataLoader).
+    threads=2 (mode wall): each step's wall time; A also pays its close() and the writer
+    thread's CPU during B's blocks (work A queued that may run while B trains: counted as if it
+    had stalled A, an upper bound)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model_a, opt_a, loss_fn, batches = build(workload)
     torch.manual_seed(0)
     model_b, opt_b, _, _ = build(workload)
     model_a.train()
     model_b.train()
-    thread_time = time.thread_time
+    clock = time.thread_time if threads == 1 else time.perf_counter
 
     with tempfile.TemporaryDirectory(prefix="torchautopsy-bench-") as tmp:
         from torchautopsy import Recorder
 
         rec = Recorder(model_a, os.path.join(tmp, "run"))
+        writer_clock = time.pthread_getcpuclockid(rec.writer._thread.ident)
 
         def train_step(model, opt, i: int, recorded: bool) -> float:
-            t = thread_time()
+            t = clock()
             x, y = batches[i % len(batches)]
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
@@ -243,7 +250,7 @@ def paired_child(workload: str, steps: int, warmup: int, block: int = 10) -> dic
                 rec.step(loss=loss)
             else:
                 loss.item()
-            return thread_time() - t
+            return clock() - t
 
         for i in range(warmup):
             train_step(model_a, opt_a, i, True)
@@ -257,63 +264,72 @@ def paired_child(workload: str, steps: int, warmup: int, block: int = 10) -> dic
             train_step(model_a, opt_a, i, True)
             train_step(model_b, opt_b, i, False)
             i += 1
-        cpu_a = cpu_b = 0.0
+        t_a = t_b = writer_in_b = 0.0
         n_a = n_b = 0
-        proc0, main0 = time.process_time(), thread_time()
+        proc0, main0 = time.process_time(), time.thread_time()
         while n_a < steps:
             order = (True, False) if (i // block) % 2 else (False, True)  # who goes first alternates
             for recorded in order:
-                for k in range(min(block, steps - n_a) if recorded else block):
-                    if recorded:
-                        cpu_a += train_step(model_a, opt_a, i + k, True)
+                if recorded:
+                    for k in range(min(block, steps - n_a)):
+                        t_a += train_step(model_a, opt_a, i + k, True)
                         n_a += 1
-                    else:
-                        cpu_b += train_step(model_b, opt_b, i + k, False)
+                else:
+                    w0 = time.clock_gettime(writer_clock)
+                    for k in range(block):
+                        t_b += train_step(model_b, opt_b, i + k, False)
                         n_b += 1
+                    writer_in_b += time.clock_gettime(writer_clock) - w0
             i += block
-        t = thread_time()
+        t = clock()
         rec.close()
-        close_main = thread_time() - t
-        # Every other thread's CPU in the span: the recorder's writer (one intra-op thread and
-        # no DataLoader: the bare model runs no thread of its own)
-        others = (time.process_time() - proc0) - (thread_time() - main0)
-    return {"workload": workload, "steps": steps, "warmup": warmup, "block": block,
-            "recorded_main_s": cpu_a, "close_main_s": close_main, "other_threads_s": others,
-            "bare_main_s": cpu_b, "n_recorded": n_a, "n_bare": n_b}
+        close = clock() - t
+        if threads == 1:  # every other thread's CPU in the span: the writer's
+            others = (time.process_time() - proc0) - (time.thread_time() - main0)
+        else:
+            others = writer_in_b
+    return {"workload": workload, "mode": "cpu" if threads == 1 else "wall", "threads": threads,
+            "steps": steps, "warmup": warmup, "block": block,
+            "recorded_main_s": t_a, "close_main_s": close, "other_threads_s": others,
+            "bare_main_s": t_b, "n_recorded": n_a, "n_bare": n_b}
 
 
 def print_paired(runs: list[dict], workloads: list[str]) -> None:
-    """The paired runs' table: per workload, the recorded and the bare copy's CPU a step."""
-    header = ("workload", "bare CPU ms/step", "recorded ms/step", "of it: close + writer", "ratio (CPU)", "runs")
+    """The paired runs' table: per workload and mode, the recorded and the bare copy's time a step."""
+    header = ("workload", "mode", "bare ms/step", "recorded ms/step", "of it: close + writer", "ratio", "runs")
     rows = []
     for w in workloads:
-        mine = [r for r in runs if r["workload"] == w]
-        if not mine:
-            continue
-        ratios = []
-        for r in mine:
-            a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
-            b = r["bare_main_s"] / r["n_bare"]
-            ratios.append((a / b, a, b, (r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]))
-        ratios.sort()
-        med = ratios[len(ratios) // 2]
-        spread = f"{ratios[0][0]:.3f}-{ratios[-1][0]:.3f}x" if len(ratios) > 1 else "-"
-        rows.append((w, f"{med[2] * 1e3:.2f}", f"{med[1] * 1e3:.2f}", f"{med[3] * 1e3:.3f}", f"{med[0]:.3f}x",
-                     f"{len(ratios)} ({spread})"))
+        for mode in ("cpu", "wall"):
+            mine = [r for r in runs if r["workload"] == w and r.get("mode", "cpu") == mode]
+            if not mine:
+                continue
+            ratios = []
+            for r in mine:
+                a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
+                b = r["bare_main_s"] / r["n_bare"]
+                ratios.append((a / b, a, b, (r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]))
+            ratios.sort()
+            med = ratios[len(ratios) // 2]
+            spread = f"{ratios[0][0]:.3f}-{ratios[-1][0]:.3f}x" if len(ratios) > 1 else "-"
+            label = "CPU (1 thr)" if mode == "cpu" else "wall (2 thr)"
+            rows.append((w, label, f"{med[2] * 1e3:.2f}", f"{med[1] * 1e3:.2f}", f"{med[3] * 1e3:.3f}",
+                         f"{med[0]:.3f}x", f"{len(ratios)} ({spread})"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     fmt = lambda cells: " | ".join(  # noqa: E731
-        c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(cells, widths)))
+        c.ljust(wd) if i < 2 else c.rjust(wd) for i, (c, wd) in enumerate(zip(cells, widths)))
     print()
-    print("paired, in one process (1 thread, CPU time; median run, and the runs' range):")
+    print("paired, in one process (median run, and the runs' range):")
     print(fmt(header))
     print("-+-".join("-" * wd for wd in widths))
     for r in rows:
         print(fmt(r))
     r0 = runs[0]
     print(f"{r0['steps']} steps of each copy after {r0['warmup']} warm-up steps, in alternating blocks of "
-          f"{r0['block']}; the recorded copy's CPU is its main thread's, its close() and the writer "
-          f"thread's. Both copies share the process, so the bare one also passes the recorder's global "
-          f"hooks (the optimizer pre-hook, the activation wrappers), which return at once for it.")
+          f"{r0['block']}. CPU: main-thread CPU, the recorded copy also paying its close() and the writer "
+          f"thread's CPU. Wall: each step's wall time, the recorded copy also paying its close() and the "
+          f"writer's CPU during the bare copy's blocks (as if it had stalled it). Both copies share the "
+          f"process, so the bare one also passes the recorder's global hooks (the optimizer pre-hook, "
+          f"the activation wrappers), which return at once for it.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +383,7 @@ def main(argv=None) -> None:
                     help="where the workloads train: cpu (default; the issue's figures) or cuda (a GPU, for comparison)")
     ap.add_argument("--paired", action="store_true",
                     help="instead of the table: each workload's bare and recorded copies in one process, "
-                         "alternating blocks of 10 steps, CPU time (--repeats runs of each)")
+                         "alternating blocks of 10 steps, CPU and wall time (--repeats runs of each)")
     ap.add_argument("--paired-child", metavar="WORKLOAD", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -377,7 +393,7 @@ def main(argv=None) -> None:
         print(json.dumps(child(*args.child, args.steps, args.warmup, args.threads, args.device)))
         return
     if args.paired_child:
-        print(json.dumps(paired_child(args.paired_child, args.steps, args.warmup)))
+        print(json.dumps(paired_child(args.paired_child, args.steps, args.warmup, args.threads)))
         return
 
     if args.table_from:
@@ -410,21 +426,22 @@ def main(argv=None) -> None:
     if args.paired:
         if args.device != "cpu":
             ap.error("--paired measures CPU time: it runs on the CPU only")
-        print(f"paired: {len(workloads)} workloads x {args.repeats} repeats, {args.steps} steps of each copy after "
-              f"{args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
+        print(f"paired: {len(workloads)} workloads x 2 modes x {args.repeats} repeats, {args.steps} steps of each "
+              f"copy after {args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
         runs = []
         for rep in range(args.repeats):
-            for w in workloads:
-                r = run_child(w, "paired", args, 1)
-                r["malloc"] = args.malloc
-                runs.append(r)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(runs, f, indent=1)
-                a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
-                b = r["bare_main_s"] / r["n_bare"]
-                print(f"  [{rep + 1}/{args.repeats}] {w:11} bare {b * 1e3:7.2f}  recorded {a * 1e3:7.2f} ms/step  "
-                      f"{a / b:.3f}x", flush=True)
+            for mode, threads in (("cpu", 1), ("wall", 2)):
+                for w in workloads:
+                    r = run_child(w, "paired", args, threads)
+                    r["malloc"] = args.malloc
+                    runs.append(r)
+                    if args.json:
+                        with open(args.json, "w") as f:
+                            json.dump(runs, f, indent=1)
+                    a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
+                    b = r["bare_main_s"] / r["n_bare"]
+                    print(f"  [{rep + 1}/{args.repeats}] {mode:4} {w:11} bare {b * 1e3:7.2f}  recorded {a * 1e3:7.2f} "
+                          f"ms/step  {a / b:.3f}x", flush=True)
         print_paired(runs, workloads)
         return
 
