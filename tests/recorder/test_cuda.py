@@ -255,9 +255,9 @@ def _syncs_per_step(model, rec, steps, dev):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_host_syncs_per_step(tmp_path, deterministic):
     """Two on a plain step: the gradient norms before the optimizer's update (the black box needs
-    them then) and the loss. Watched, histogram and update-ratio steps batch their reductions
-    into one more transfer; the first step sets up. Also under torch's deterministic mode, whose
-    ops must not stop the recording."""
+    them then) and the loss. Watched, histogram and update-ratio steps carry their reductions in
+    the loss's transfer (2 on an H100 too); the first step sets up. Also under torch's
+    deterministic mode, whose ops must not stop the recording."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10)).to(dev)
