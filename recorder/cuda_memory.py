@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from .memory import cuda_bytes
+
 # Optional keys of each snapshot entity, as a bit mask per row (the `keys` column): a snapshot
 # from another torch version lacks some, and the export rebuilds exactly the keys it had.
 SNAPSHOT_KEYS = ("device_traces", "allocator_settings")
@@ -243,8 +245,7 @@ class CudaMemoryRecorder:
         snap = torch.cuda.memory._snapshot()
         snapshot, self.n_snapshots = self.n_snapshots, self.n_snapshots + 1
         now = time.time()
-        alloc = torch.cuda.memory_allocated(self.device)
-        reserved = torch.cuda.memory_reserved(self.device)
+        alloc, reserved, _ = cuda_bytes(self.device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         converter = self.converter
 

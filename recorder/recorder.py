@@ -522,10 +522,11 @@ class Recorder:
                     self._oom_snapshot_step = self._step
                 except Exception as e:
                     self._cuda_memory_off(e)
+            allocated, reserved, _ = cuda_bytes(torch.device("cuda", int(device)))
             self.writer.put({"oom_events": {
                 "step": self._step, "time_s": time.time(), "source": "observer", "device": f"cuda:{int(device)}",
-                "requested_bytes": int(alloc), "device_allocated_bytes": torch.cuda.memory_allocated(int(device)),
-                "device_reserved_bytes": torch.cuda.memory_reserved(int(device)),
+                "requested_bytes": int(alloc), "device_allocated_bytes": allocated,
+                "device_reserved_bytes": reserved,
                 "device_free_bytes": int(device_free), "device_total_bytes": int(device_total),
                 "rss_bytes": rss_bytes(), "snapshot": snapshot,
                 "message": "", "raised_at": "",
