@@ -23,11 +23,11 @@ class MemoryTables:
         than it). Empty for CPU runs and older traces."""
         cols = ("snapshot", "step", "reason", "time_s", "device", "allocated_bytes", "reserved_bytes",
                 "n_device_traces", "allocator_settings", "keys")
-        extra = self._has("memory_snapshots/extra")
-        df = self._texts_table("memory_snapshots", cols + ("extra",) * extra,
-                               ("reason", "allocator_settings") + ("extra",) * extra)
-        if not extra:
-            df["extra"] = ""
+        texts = ("reason", "allocator_settings")
+        if self._has("memory_snapshots/extra"):
+            return self._texts_table("memory_snapshots", cols + ("extra",), texts + ("extra",))
+        df = self._texts_table("memory_snapshots", cols, texts)
+        df["extra"] = ""
         return df
 
     def memory_snapshot_rows(self, snapshot: int) -> dict[str, pd.DataFrame]:
