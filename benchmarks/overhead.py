@@ -294,6 +294,25 @@ def paired_child(workload: str, steps: int, warmup: int, threads: int, block: in
             "bare_main_s": t_b, "n_recorded": n_a, "n_bare": n_b}
 
 
+def paired_per_step(r: dict) -> tuple[float, float, float]:
+    """(recorded, bare, the recorded copy's close() + writer share) seconds a step of a paired run."""
+    extra = r["close_main_s"] + r["other_threads_s"]
+    return (r["recorded_main_s"] + extra) / r["n_recorded"], r["bare_main_s"] / r["n_bare"], extra / r["n_recorded"]
+
+
+def print_rows(header: tuple[str, ...], rows: list[tuple[str, ...]], n_left: int) -> None:
+    """A text table: the first n_left columns left-aligned, the others right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def fmt(cells):
+        return " | ".join(c.ljust(wd) if i < n_left else c.rjust(wd) for i, (c, wd) in enumerate(zip(cells, widths)))
+
+    print(fmt(header))
+    print("-+-".join("-" * wd for wd in widths))
+    for r in rows:
+        print(fmt(r))
+
+
 def print_paired(runs: list[dict], workloads: list[str]) -> None:
     """The paired runs' table: per workload and mode, the recorded and the bare copy's time a step."""
     header = ("workload", "mode", "bare ms/step", "recorded ms/step", "of it: close + writer", "ratio", "runs")
@@ -303,26 +322,15 @@ def print_paired(runs: list[dict], workloads: list[str]) -> None:
             mine = [r for r in runs if r["workload"] == w and r.get("mode", "cpu") == mode]
             if not mine:
                 continue
-            ratios = []
-            for r in mine:
-                a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
-                b = r["bare_main_s"] / r["n_bare"]
-                ratios.append((a / b, a, b, (r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]))
-            ratios.sort()
+            ratios = sorted((a / b, a, b, extra) for a, b, extra in map(paired_per_step, mine))
             med = ratios[len(ratios) // 2]
             spread = f"{ratios[0][0]:.3f}-{ratios[-1][0]:.3f}x" if len(ratios) > 1 else "-"
             label = "CPU (1 thr)" if mode == "cpu" else "wall (2 thr)"
             rows.append((w, label, f"{med[2] * 1e3:.2f}", f"{med[1] * 1e3:.2f}", f"{med[3] * 1e3:.3f}",
                          f"{med[0]:.3f}x", f"{len(ratios)} ({spread})"))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: " | ".join(  # noqa: E731
-        c.ljust(wd) if i < 2 else c.rjust(wd) for i, (c, wd) in enumerate(zip(cells, widths)))
     print()
     print("paired, in one process (median run, and the runs' range):")
-    print(fmt(header))
-    print("-+-".join("-" * wd for wd in widths))
-    for r in rows:
-        print(fmt(r))
+    print_rows(header, rows, 2)
     r0 = runs[0]
     print(f"{r0['steps']} steps of each copy after {r0['warmup']} warm-up steps, in alternating blocks of "
           f"{r0['block']}. CPU: main-thread CPU, the recorded copy also paying its close() and the writer "
@@ -425,7 +433,7 @@ def main(argv=None) -> None:
     malloc_desc = describe_malloc(args.malloc)
     if args.paired:
         if args.device != "cpu":
-            ap.error("--paired measures CPU time: it runs on the CPU only")
+            ap.error("--paired runs on the CPU only (its wall mode's 2 threads are CPU threads); leave out --device")
         print(f"paired: {len(workloads)} workloads x 2 modes x {args.repeats} repeats, {args.steps} steps of each "
               f"copy after {args.warmup} warm-up steps, malloc thresholds {malloc_desc}", flush=True)
         runs = []
@@ -438,8 +446,7 @@ def main(argv=None) -> None:
                     if args.json:
                         with open(args.json, "w") as f:
                             json.dump(runs, f, indent=1)
-                    a = (r["recorded_main_s"] + r["close_main_s"] + r["other_threads_s"]) / r["n_recorded"]
-                    b = r["bare_main_s"] / r["n_bare"]
+                    a, b, _ = paired_per_step(r)
                     print(f"  [{rep + 1}/{args.repeats}] {mode:4} {w:11} bare {b * 1e3:7.2f}  recorded {a * 1e3:7.2f} "
                           f"ms/step  {a / b:.3f}x", flush=True)
         print_paired(runs, workloads)
@@ -517,14 +524,8 @@ def print_table(runs: list[dict], steps: int, warmup: int, workloads: list[str],
             rows.append((w, c, f"{wall:.2f}", ratios[0], f"{cpu:.2f}", ratios[1], f"{bps:,.0f}",
                          f"{rss:.0f}"))
 
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: " | ".join(  # noqa: E731
-        s.ljust(wd) if i < 2 else s.rjust(wd) for i, (s, wd) in enumerate(zip(cells, widths)))
     print()
-    print(fmt(header))
-    print("-+-".join("-" * wd for wd in widths))
-    for r in rows:
-        print(fmt(r))
+    print_rows(header, rows, 2)
     print()
     print(f"best of {repeats} runs each; {steps} steps after {warmup} warm-up, "
           f"the recorder/writer close() included; bytes/step = run dir size / {steps + warmup} "
