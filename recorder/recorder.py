@@ -33,7 +33,7 @@ from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
-from .stats import Packer
+from .stats import Packer, l2_norms
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -282,12 +282,7 @@ class Recorder:
             # Gradients are leaves, reducing them records no graph: no_grad (~15 us) only for
             # gradients made with backward(create_graph=True).
             with torch.no_grad() if any(g.requires_grad for _, g in grads) else contextlib.nullcontext():
-                norms = torch._foreach_norm([g for _, g in grads])
-                try:
-                    vec = torch.stack(norms)
-                except RuntimeError:  # norms of several dtypes or devices
-                    vec = torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
-                values = vec.tolist()  # one host sync, here rather than at rec.step()
+                values = l2_norms([g for _, g in grads]).tolist()  # one host sync, here rather than at rec.step()
             cache = self._norm_cache
             for (i, g), v in zip(grads, values):
                 cache[i] = (id(g), g._version, v)
@@ -656,7 +651,7 @@ class Recorder:
                        for c, i in zip(hits, has)):
                     cached = np.array([c[2] for c in hits])
                 else:
-                    pk.add("grad_norm", torch._foreach_norm(present))
+                    pk.add("grad_norm", l2_norms(present))
                 if watched:
                     self._add_grad_range(pk, present)
             # Weight norms on watched steps, and on the step before an update ratio (its
@@ -670,17 +665,17 @@ class Recorder:
             weights = [p.detach() for p in self._params] if measure_w or do_update else None
             if weights:
                 if measure_w:
-                    pk.add("param_norm", torch._foreach_norm(weights))
+                    pk.add("param_norm", l2_norms(weights))
                 # The model may have moved (model.to(device), .half()) since the copy was taken.
                 do_update = (do_update and self._prev_weights[0].device == weights[0].device
                              and self._prev_weights[0].dtype == weights[0].dtype)
                 if do_update:
                     update_den = self._prev_norm
                     if update_den is None:  # (the copy taken at the start)
-                        pk.add("update_den", torch._foreach_norm(self._prev_weights))
+                        pk.add("update_den", l2_norms(self._prev_weights))
                     # In place: the buffers become w_before - w_after.
                     torch._foreach_sub_(self._prev_weights, weights)
-                    pk.add("update_num", torch._foreach_norm(self._prev_weights))
+                    pk.add("update_num", l2_norms(self._prev_weights))
             hist = self.watcher.sample_histograms and bool(self._hist_params)
             if hist:
                 pk.add("hist_w", [histogram(self._params[i]) for i in self._hist_params])
@@ -714,7 +709,7 @@ class Recorder:
                     self._add_grad_range(extra, present)
                 if self._params and "param_norm" not in host:
                     weights = [p.detach() for p in self._params]
-                    extra.add("param_norm", torch._foreach_norm(weights))
+                    extra.add("param_norm", l2_norms(weights))
                 host.update(extra.fetch())
             grad_norm = None if present and len(has) == n_params else np.full(n_params, np.nan)
             grad_absmax = np.full(n_params, np.nan) if watched or bad_step else None  # None: not measured

@@ -46,6 +46,47 @@ class Packer:
         return out
 
 
+# On the CPU, tensors of at least this many elements get a BLAS dot each in l2_norms; smaller
+# ones, whose per-call cost would dominate, one _foreach_norm together.
+DOT_MIN_ELEMENTS = 1 << 14
+_DOT_DTYPES = (torch.float32, torch.float64)
+
+
+def l2_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of each tensor, one 1-D tensor: torch.stack(torch._foreach_norm(tensors)),
+    faster on the CPU.
+
+    On the CPU _foreach_norm runs on one thread. Right after a backward pass the gradients are
+    read mostly from memory, and with two intra-op threads it added 0.51 ms to a 20 ms step of
+    benchmarks/'s MLP (2.1M gradients), where one multi-threaded BLAS dot per tensor, its
+    square root taken after, added 0.26 ms (the transformer: 0.60 against 0.18 ms; one thread:
+    the same; measured side by side in one process). The dot is also the more accurate float32
+    sum (relative error 8e-5 against 6e-4 for 16M elements, measured); both overflow to Inf
+    above ~1.8e19, which the recorder recomputes in float64. Elsewhere (CUDA: one kernel
+    launch for all) and for other dtypes, _foreach_norm."""
+    if not tensors:
+        return torch.zeros(0)
+    dots = [i for i, t in enumerate(tensors)
+            if t.device.type == "cpu" and t.dtype in _DOT_DTYPES and t.numel() >= DOT_MIN_ELEMENTS
+            and t.is_contiguous()]
+    if not dots or any(t.device.type != "cpu" for t in tensors):
+        return _stack(torch._foreach_norm(tensors))
+    sq = torch.stack([torch.dot(v, v) for v in (tensors[i].view(-1) for i in dots)]).sqrt_()
+    if len(dots) == len(tensors):
+        return sq
+    chosen = set(dots)
+    rest = [i for i in range(len(tensors)) if i not in chosen]
+    both = torch.cat([sq, _stack(torch._foreach_norm([tensors[i] for i in rest]))])
+    return both.new_empty(len(tensors)).index_copy_(0, torch.tensor(dots + rest), both)
+
+
+def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
+    try:
+        return torch.stack(norms)
+    except RuntimeError:  # norms on several devices (model parallel): gathered on the first
+        return torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     """float64 numpy copy of a tensor: a row queued for the writer must hold no torch tensor
     (the live-tensor census would count it as the job's)."""
