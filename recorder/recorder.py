@@ -9,6 +9,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import operator
 import os
 import platform
 import signal
@@ -38,6 +39,12 @@ from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
 _MAX_SUMMARY_CHARS = 65536
+# Per-parameter reads done by map() in C: right after a training step each line of Python runs
+# cold, and a generator over the parameters costs several us more than these (measured).
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
@@ -114,8 +121,11 @@ class Recorder:
         self.samples = None
         self.blackbox = None
         self._opt_hook = None
-        self._norm_cache: dict[int, tuple] = {}  # param index -> (id(grad), grad version, norm)
-        self._opt_params = weakref.WeakKeyDictionary()  # optimizer -> (key, [(param index, param)])
+        # The gradient norms the optimizer step pre-hook computed this step, one entry per
+        # optimizer step: (param indices, gradients, their versions, norms, all finite).
+        self._norms: list[tuple[list[int], list, list[int], list[float], bool]] = []
+        self._opt_params = weakref.WeakKeyDictionary()  # optimizer -> (key, param indices, params)
+        self._all_index: list[int] = []  # range(n_params), the indices of an optimizer of them all
         self._last_snapshot = -1
         self._loss_given = False
         self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
@@ -138,6 +148,7 @@ class Recorder:
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._all_index = list(range(len(self._params)))
         self._param_name_by_id = {id(p): n for n, p in named}
         self._unmeasured = np.full(len(self._params), -1.0)  # "not measured" row
         self._no_bad_grads = np.zeros(len(self._params), dtype=np.int64)
@@ -275,24 +286,27 @@ class Recorder:
         if not self._active or self.blackbox is None or not self.blackbox.armed:
             return None
         try:
-            grads = [(i, g) for i, p in self._optimized(optimizer) if (g := p.grad) is not None and not g.is_sparse]
+            index, params = self._optimized(optimizer)
+            grads = list(map(_GRAD, params))
+            if type(None) in map(type, grads) or any(map(_IS_SPARSE, grads)):  # frozen or sparse ones: left out
+                kept = [k for k, g in enumerate(grads) if g is not None and not g.is_sparse]
+                index, grads = [index[k] for k in kept], [grads[k] for k in kept]
             if not grads:
                 return None  # not an optimizer of the watched model
             self._saw_optimizer = True
             # Gradients are leaves, reducing them records no graph: no_grad (~15 us) only for
             # gradients made with backward(create_graph=True).
-            with torch.no_grad() if any(g.requires_grad for _, g in grads) else contextlib.nullcontext():
-                values = l2_norms([g for _, g in grads]).tolist()  # one host sync, here rather than at rec.step()
-            cache = self._norm_cache
-            for (i, g), v in zip(grads, values):
-                cache[i] = (id(g), g._version, v)
+            with torch.no_grad() if any(map(_REQUIRES_GRAD, grads)) else contextlib.nullcontext():
+                values = l2_norms(grads).tolist()  # one host sync, here rather than at rec.step()
             # (plain Python: right after a training step a numpy call costs ~50 us, measured)
-            if all(map(math.isfinite, values)):
+            finite = all(map(math.isfinite, values))
+            self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))
+            if finite:
                 return None
             with torch.no_grad():
                 # Rare from here on. A finite gradient whose float32 norm overflowed is not a
                 # failure: each gradient is checked.
-                bad = [i for i, g in grads if not bool(torch.isfinite(g).all())]
+                bad = [i for i, g in zip(index, grads) if not bool(torch.isfinite(g).all())]
             if bad:
                 names = [self._param_names[i] for i in bad]
                 extra = {"n_params_affected": len(names), **self._replay()}
@@ -302,17 +316,43 @@ class Recorder:
             self._fail(e)
         return None
 
-    def _optimized(self, optimizer) -> list[tuple[int, torch.Tensor]]:
-        """(index, parameter) of the watched model's parameters in an optimizer's groups; found
-        once per optimizer and again when its groups change."""
+    def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor]]:
+        """(indices, parameters) of the watched model's parameters in an optimizer's groups;
+        found once per optimizer and again when its groups change. An optimizer of every
+        parameter, in the model's order, gets self._all_index itself (see _cached_norms)."""
         groups = optimizer.param_groups
         key = (len(groups), sum(len(g["params"]) for g in groups))
         hit = self._opt_params.get(optimizer)
         if hit is None or hit[0] != key:
-            index = self._param_index
-            hit = (key, [(i, p) for g in groups for p in g["params"] if (i := index.get(id(p))) is not None])
+            pairs = [(i, p) for g in groups for p in g["params"] if (i := self._param_index.get(id(p))) is not None]
+            index = [i for i, _ in pairs]
+            hit = (key, self._all_index if index == self._all_index else index, [p for _, p in pairs])
             self._opt_params[optimizer] = hit
-        return hit[1]
+        return hit[1], hit[2]
+
+    def _cached_norms(self) -> list[float] | None:
+        """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
+        step (NaN for a parameter without a gradient), or None if a gradient was not seen there
+        (another optimizer, none), or has been replaced or changed in place since."""
+        entries = self._norms
+        if not entries:
+            return None
+        now = list(map(_GRAD, self._params))
+        if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
+            _, grads, versions, values, _ = entries[0]
+            ok = all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
+            return values if ok else None
+        norms, seen = [math.nan] * len(now), [False] * len(now)
+        for index, grads, versions, values, _ in entries:
+            if list(map(_VERSION, grads)) != versions:
+                return None
+            for i, g, v in zip(index, grads, values):
+                if now[i] is not g:
+                    return None
+                norms[i], seen[i] = v, True
+        if any(g is not None and not s and not g.is_sparse for g, s in zip(now, seen)):
+            return None
+        return norms
 
     def _replay(self) -> dict:
         """On a step that was not watched, find where its NaN/Inf was born by running its forward
@@ -578,6 +618,7 @@ class Recorder:
                     self._record_step(loss, t_called)
             except Exception as e:
                 self._fail(e)
+            self._norms = []
         if self._active:
             self._plan(self._step)
         self._step += 1
@@ -601,19 +642,11 @@ class Recorder:
         if (self._watched or self.profiler.prof is not None or step == self._next_update
                 or step + 1 == self._next_update or self.activity.window_ends(step)):
             return False
-        cache = self._norm_cache
-        if not cache:
+        if not all(e[4] for e in self._norms):
+            return False  # a NaN/Inf norm: a bad step, measured in full
+        norms = self._cached_norms()
+        if norms is None:
             return False
-        norms = []
-        for i, p in enumerate(self._params):
-            g = p.grad
-            if g is None:  # a frozen parameter: no gradient, NaN
-                norms.append(math.nan)
-                continue
-            c = cache.get(i)
-            if c is None or c[0] != id(g) or c[1] != g._version or not math.isfinite(c[2]):
-                return False  # (a NaN/Inf norm: a bad step, measured in full)
-            norms.append(c[2])
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 return False
@@ -622,7 +655,6 @@ class Recorder:
             loss_value = float("nan") if loss is None else float(loss)
         if loss is not None and not math.isfinite(loss_value):
             return False  # a bad step is measured in full
-        self._norm_cache = {}
         self._loss_given = loss is not None
         mods = self.watcher.finish_step({}, len(self.watcher.names))  # (not watched: all -1)
         self._write_step(step, t_called, {
@@ -645,11 +677,9 @@ class Recorder:
             # above float32's range shows as Inf and is recomputed in float64 below.
             cached = None  # the norms the optimizer step pre-hook computed, if it saw every gradient
             if present:
-                cache, self._norm_cache = self._norm_cache, {}
-                hits = [cache.get(i) for i in has]
-                if all(c is not None and c[0] == id(grads[i]) and c[1] == grads[i]._version
-                       for c, i in zip(hits, has)):
-                    cached = np.array([c[2] for c in hits])
+                seen = self._cached_norms()
+                if seen is not None:
+                    cached = np.array([seen[i] for i in has])
                 else:
                     pk.add("grad_norm", l2_norms(present))
                 if watched:

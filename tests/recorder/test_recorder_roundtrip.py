@@ -323,3 +323,40 @@ def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path):
         np.testing.assert_allclose(f["params/grad_norm"][:], ref, rtol=1e-5)
         assert np.isnan(f["params/grad_norm"][:, :2]).all()
         assert (f["params/param_norm"][2:8] == -1).all()  # not measured on plain steps
+
+
+def test_norms_from_the_optimizer_hook_only_while_they_still_hold(tmp_path):
+    """The norms the optimizer step pre-hook computed are written only for the gradients it saw,
+    as they still are at rec.step(): two optimizers of two halves of the model add up; a
+    gradient scaled in place or replaced after the update, or a parameter no optimizer steps, is
+    measured again at rec.step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3),
+                                torch.nn.Linear(3, 3))
+    params = list(model.parameters())
+    opt_a = torch.optim.SGD(params[:2], lr=0.1)
+    opt_b = torch.optim.SGD(params[2:4], lr=0.1)  # model[3] is in neither
+    ref = []
+    with Recorder(model, tmp_path / "run") as rec:
+        for step in range(12):
+            x, y = batch("mlp", step)
+            loss = F.cross_entropy(model(x), y)
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            model[3].zero_grad()
+            loss.backward()
+            if step % 2 == 0:  # even steps: model[3] has no gradient (NaN), odd ones have one
+                for p in model[3].parameters():
+                    p.grad = None
+            opt_a.step()
+            if step % 3 != 1:  # steps 1, 4, 7, 10: only opt_a
+                opt_b.step()
+            if step % 4 == 2:  # steps 2, 6, 10: a gradient changed after the update
+                params[0].grad.mul_(3.0)
+            if step in (4, 8):  # and one replaced
+                params[2].grad = params[2].grad * 2.0
+            ref.append([torch.linalg.vector_norm(p.grad).item() if p.grad is not None else np.nan
+                        for p in params])
+            rec.step(loss=loss)
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        np.testing.assert_allclose(f["params/grad_norm"][:], ref, rtol=1e-5)
