@@ -47,8 +47,10 @@ class Packer:
 
 
 # On the CPU, tensors of at least this many elements get a BLAS dot each in l2_norms; smaller
-# ones, whose per-call cost would dominate, one _foreach_norm together.
+# ones, whose per-call cost would dominate, one _foreach_norm together. Past 2**31 elements
+# (BLAS's 32-bit lengths) torch's dot falls back to a plain one-thread loop: _foreach_norm.
 DOT_MIN_ELEMENTS = 1 << 14
+_DOT_MAX_ELEMENTS = (1 << 31) - 1
 _DOT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -67,8 +69,8 @@ def l2_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0)
     dots = [i for i, t in enumerate(tensors)
-            if t.device.type == "cpu" and t.dtype in _DOT_DTYPES and t.numel() >= DOT_MIN_ELEMENTS
-            and t.is_contiguous()]
+            if t.device.type == "cpu" and t.dtype in _DOT_DTYPES
+            and DOT_MIN_ELEMENTS <= t.numel() <= _DOT_MAX_ELEMENTS and t.is_contiguous()]
     if not dots or any(t.device.type != "cpu" for t in tensors):
         return _stack(torch._foreach_norm(tensors))
     sq = torch.stack([torch.dot(v, v) for v in (tensors[i].view(-1) for i in dots)]).sqrt_()
