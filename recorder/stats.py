@@ -6,6 +6,8 @@ tensors and never writes them, so the training computes exactly what it would wi
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -46,40 +48,41 @@ class Packer:
         return out
 
 
-# On the CPU, tensors of at least this many elements get a BLAS dot each in l2_norms; smaller
-# ones, whose per-call cost would dominate, one _foreach_norm together. Past 2**31 elements
-# (BLAS's 32-bit lengths) torch's dot falls back to a plain one-thread loop: _foreach_norm.
-DOT_MIN_ELEMENTS = 1 << 14
+# On the CPU with several intra-op threads, a list of tensors averaging at least this many
+# elements gets one BLAS dot per tensor in l2_norms; a list of smaller ones one _foreach_norm.
+DOT_MEAN_ELEMENTS = 1 << 15
+# Past 2**31 elements (BLAS's 32-bit lengths) torch's dot falls back to a plain one-thread loop.
 _DOT_MAX_ELEMENTS = (1 << 31) - 1
-_DOT_DTYPES = (torch.float32, torch.float64)
+_DOT_DTYPES = {torch.float32, torch.float64}
+_IS_CPU = operator.attrgetter("is_cpu")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def l2_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of each tensor, one 1-D tensor: torch.stack(torch._foreach_norm(tensors)),
-    faster on the CPU.
+    faster on a CPU with several threads.
 
-    On the CPU _foreach_norm runs on one thread. Right after a backward pass the gradients are
-    read mostly from memory, and with two intra-op threads it added 0.51 ms to a 20 ms step of
-    benchmarks/'s MLP (2.1M gradients), where one multi-threaded BLAS dot per tensor, its
-    square root taken after, added 0.26 ms (the transformer: 0.60 against 0.18 ms; one thread:
-    the same; measured side by side in one process). The dot is also the more accurate float32
-    sum (relative error 8e-5 against 6e-4 for 16M elements, measured); both overflow to Inf
-    above ~1.8e19, which the recorder recomputes in float64. Elsewhere (CUDA: one kernel
-    launch for all) and for other dtypes, _foreach_norm."""
+    There _foreach_norm runs on one thread, and right after a backward pass the gradients come
+    mostly from memory: one multi-threaded BLAS dot per tensor, square roots after, is faster
+    for large tensors (2 threads, first call after the backward, plus the optimizer step after
+    it, medians: benchmarks/'s MLP 1.19 against 1.26 ms, the transformer 4.84 against 4.96 ms;
+    the CNN's small tensors 0.59 with _foreach_norm against 0.64 ms; one thread: _foreach_norm
+    by 0.02-0.09 ms; measured). Either way, all tensors take one path: right after a training
+    step every further kind of op costs 20-50 us the first time (measured), so mixing the two
+    (a dot for the large tensors, _foreach_norm for the rest, put back in order) was slower than
+    both. The dot is also the more accurate float32 sum (relative error 8e-5 against 6e-4 for
+    16M elements, measured); both overflow to Inf above ~1.8e19, which the recorder recomputes
+    in float64. CUDA, other dtypes and non-contiguous tensors: _foreach_norm."""
     if not tensors:
         return torch.zeros(0)
-    dots = [i for i, t in enumerate(tensors)
-            if t.device.type == "cpu" and t.dtype in _DOT_DTYPES
-            and DOT_MIN_ELEMENTS <= t.numel() <= _DOT_MAX_ELEMENTS and t.is_contiguous()]
-    if not dots or any(t.device.type != "cpu" for t in tensors):
-        return _stack(torch._foreach_norm(tensors))
-    sq = torch.stack([torch.dot(v, v) for v in (tensors[i].view(-1) for i in dots)]).sqrt_()
-    if len(dots) == len(tensors):
-        return sq
-    chosen = set(dots)
-    rest = [i for i in range(len(tensors)) if i not in chosen]
-    both = torch.cat([sq, _stack(torch._foreach_norm([tensors[i] for i in rest]))])
-    return both.new_empty(len(tensors)).index_copy_(0, torch.tensor(dots + rest), both)
+    # (the checks run as map()s in C: each pass over the tensors costs a few us, cold)
+    if torch.get_num_threads() > 1:
+        sizes = list(map(torch.Tensor.numel, tensors))
+        if (sum(sizes) >= DOT_MEAN_ELEMENTS * len(sizes) and max(sizes) <= _DOT_MAX_ELEMENTS
+                and all(map(_IS_CPU, tensors)) and set(map(_DTYPE, tensors)) <= _DOT_DTYPES
+                and all(map(torch.Tensor.is_contiguous, tensors))):
+            return torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in tensors)]).sqrt_()
+    return _stack(torch._foreach_norm(tensors))
 
 
 def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
