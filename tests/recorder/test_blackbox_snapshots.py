@@ -402,3 +402,33 @@ def test_blackbox_rng_state_reproduces_dropout(tmp_path):
     assert torch.equal(got["head"], kept)
     again(tensors["forward0.args.0"])  # other dropout masks
     assert not torch.equal(got["head"], kept)
+
+
+def test_blackbox_follows_buffers_replaced_mid_run(tmp_path):
+    """model.double() halfway replaces the BatchNorm buffers: the black box's copy of them at
+    the start of the bad step is of the new buffers, in float64, exactly."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    kept = {}
+    with Recorder(model, tmp_path / "run") as rec:
+        for step in range(BAD_STEP + 1):
+            if step == 4:
+                model.double()  # new buffer objects; the parameters keep theirs
+            x, y = _batch(step)
+            if step >= 4:
+                x = x.double()
+            if step == BAD_STEP:
+                kept = copy.deepcopy(model.state_dict())
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    p_out = tmp_path / "params.safetensors"
+    r = run_cli("export", tmp_path / "run", "--params", "blackbox", p_out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    params = load_file(p_out)
+    assert params["bn.running_mean"].dtype == torch.float64
+    for k, v in kept.items():
+        assert torch.equal(params[k], v), k
