@@ -65,9 +65,9 @@ def l2_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     There _foreach_norm runs on one thread, and right after a backward pass the gradients come
     mostly from memory: one multi-threaded BLAS dot per tensor, square roots after, is faster
     for large tensors (2 threads, first call after the backward, plus the optimizer step after
-    it, medians: benchmarks/'s MLP 1.19 against 1.26 ms, the transformer 4.84 against 4.96 ms;
+    it, medians: benchmarks/'s MLP 1.22 against 1.26 ms, the transformer 4.84 against 4.96 ms;
     the CNN's small tensors 0.59 with _foreach_norm against 0.64 ms; one thread: _foreach_norm
-    by 0.02-0.09 ms; measured). Either way, all tensors take one path: right after a training
+    by 0.02-0.05 ms; measured). Either way, all tensors take one path: right after a training
     step every further kind of op costs 20-50 us the first time (measured), so mixing the two
     (a dot for the large tensors, _foreach_norm for the rest, put back in order) was slower than
     both. The dot is also the more accurate float32 sum (relative error 8e-5 against 6e-4 for
