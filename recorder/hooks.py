@@ -283,10 +283,8 @@ class ModuleWatcher:
             "batch_nonfinite": int(batch_bad),
         }
         if self._acts:
-            rows, numel = host["acts"].reshape(-1, 4), np.array(self._stats_n)
-            mean, std, zero = (np.full(n_modules, np.nan) for _ in range(3))
-            for m, calls in self._acts.items():
-                _, mean[m], std[m], zero[m] = combine_stats(numel[calls], rows[calls])
+            mean, std, zero = combine_stats(n_modules, self._acts, np.array(self._stats_n),
+                                            host["acts"].reshape(-1, 4))
             # NaN/Inf in the output: not counted (a pass more per output), only flagged: -2 for
             # "held some"; 0 for none; -1 for a module not called.
             called = out_absmax >= 0

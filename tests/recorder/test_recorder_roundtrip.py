@@ -301,6 +301,43 @@ def test_activation_std_is_accurate_when_the_mean_dominates(tmp_path, mean, std)
         np.testing.assert_allclose(f["activations/std"][0, i], outs[0].std().item(), rtol=1e-3)
 
 
+
+class _Twice(torch.nn.Module):
+    """One Linear called twice a forward, its two outputs of different means; a ReLU once."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        torch.nn.init.uniform_(self.lin.weight, 0.0, 0.2)  # the second call's mean: ~10
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.lin(self.act(self.lin(x)) * 5.0 + 3.0)
+
+
+def test_activation_stats_of_a_module_called_twice_cover_both_calls(tmp_path):
+    """A module called several times in a step (weight tying, a shared block) gets the mean,
+    std and zero share of all its outputs together, combined exactly from each call's sums."""
+    torch.manual_seed(0)
+    model = _Twice()
+    outs = {"lin": [], "act": []}
+    for n in outs:
+        getattr(model, n).register_forward_hook(lambda m, a, o, n=n: outs[n].append(o.detach().double()))
+    with Recorder(model, tmp_path / "run") as rec:
+        model(torch.randn(64, 32)).sum().backward()
+        rec.step()
+    with open_trace(tmp_path / "run" / "rank0.h5") as f:
+        mnames = names(f["modules/name"])
+        for n, calls in outs.items():
+            i = mnames.index(n)
+            both = torch.cat([o.reshape(-1) for o in calls])
+            assert len(calls) == (2 if n == "lin" else 1)
+            np.testing.assert_allclose(f["activations/mean"][0, i], both.mean().item(), rtol=1e-5, err_msg=n)
+            np.testing.assert_allclose(f["activations/std"][0, i], both.std().item(), rtol=1e-5, err_msg=n)
+            np.testing.assert_allclose(f["activations/zero_frac"][0, i], (both == 0).double().mean().item(),
+                                       rtol=1e-6, err_msg=n)
+        assert np.isfinite(f["activations/mean"][0, mnames.index("")])  # the root: the second call's output
+
 def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path):
     """Most steps take the recorder's short path (norms from the optimizer pre-hook); a frozen
     layer (no gradient) must not push them off it or change what is written: NaN for it."""
