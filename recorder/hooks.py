@@ -107,12 +107,6 @@ class ModuleWatcher:
         new, self._new_shapes = self._new_shapes, []
         return new
 
-    def take_times(self) -> tuple[float | None, float | None]:
-        """(start of the step's first forward, end of its last), perf_counter seconds."""
-        times = (self.t_forward_start, self.t_forward_end)
-        self.t_forward_start = self.t_forward_end = None
-        return times
-
     def _reset(self) -> None:
         self.stack = []
         self._producers: dict[int, tuple[weakref.ref, int]] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import datetime as _dt
 import gc
 import json
@@ -45,6 +44,9 @@ _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_PARAMS = operator.itemgetter("params")
+_NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
+_NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
 
 
 def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
@@ -124,7 +126,8 @@ class Recorder:
         # The gradient norms the optimizer step pre-hook computed this step, one entry per
         # optimizer step: (param indices, gradients, their versions, norms, all finite).
         self._norms: list[tuple[list[int], list, list[int], list[float], bool]] = []
-        self._opt_params = weakref.WeakKeyDictionary()  # optimizer -> (key, param indices, params)
+        # id(optimizer) -> (weakref to it, (groups, params), param indices, params)
+        self._opt_params: dict[int, tuple] = {}
         self._all_index: list[int] = []  # range(n_params), the indices of an optimizer of them all
         self._last_snapshot = -1
         self._loss_given = False
@@ -287,17 +290,23 @@ class Recorder:
             return None
         try:
             index, params = self._optimized(optimizer)
+            if not params:
+                return None  # not an optimizer of the watched model
             grads = list(map(_GRAD, params))
             if type(None) in map(type, grads) or any(map(_IS_SPARSE, grads)):  # frozen or sparse ones: left out
                 kept = [k for k, g in enumerate(grads) if g is not None and not g.is_sparse]
                 index, grads = [index[k] for k in kept], [grads[k] for k in kept]
             if not grads:
-                return None  # not an optimizer of the watched model
+                return None  # no gradients (yet)
             self._saw_optimizer = True
             # Gradients are leaves, reducing them records no graph: no_grad (~15 us) only for
-            # gradients made with backward(create_graph=True).
-            with torch.no_grad() if any(map(_REQUIRES_GRAD, grads)) else contextlib.nullcontext():
-                values = l2_norms(grads).tolist()  # one host sync, here rather than at rec.step()
+            # gradients made with backward(create_graph=True). One host sync, here rather than
+            # at rec.step().
+            if any(map(_REQUIRES_GRAD, grads)):
+                with torch.no_grad():
+                    values = l2_norms(grads).tolist()
+            else:
+                values = l2_norms(grads).tolist()
             # (plain Python: right after a training step a numpy call costs ~50 us, measured)
             finite = all(map(math.isfinite, values))
             self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))
@@ -319,16 +328,19 @@ class Recorder:
     def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor]]:
         """(indices, parameters) of the watched model's parameters in an optimizer's groups;
         found once per optimizer and again when its groups change. An optimizer of every
-        parameter, in the model's order, gets self._all_index itself (see _cached_norms)."""
+        parameter, in the model's order, gets self._all_index itself (see _cached_norms).
+        Kept by id(), the optimizer checked through a weak reference: a WeakKeyDictionary's
+        lookup (a weakref made in Python per call) cost ~15 us a step, cold (measured)."""
         groups = optimizer.param_groups
-        key = (len(groups), sum(len(g["params"]) for g in groups))
-        hit = self._opt_params.get(optimizer)
-        if hit is None or hit[0] != key:
+        key = (len(groups), sum(map(len, map(_PARAMS, groups))))
+        hit = self._opt_params.get(id(optimizer))
+        if hit is None or hit[1] != key or hit[0]() is not optimizer:
             pairs = [(i, p) for g in groups for p in g["params"] if (i := self._param_index.get(id(p))) is not None]
             index = [i for i, _ in pairs]
-            hit = (key, self._all_index if index == self._all_index else index, [p for _, p in pairs])
-            self._opt_params[optimizer] = hit
-        return hit[1], hit[2]
+            hit = (weakref.ref(optimizer), key, self._all_index if index == self._all_index else index,
+                   [p for _, p in pairs])
+            self._opt_params[id(optimizer)] = hit
+        return hit[2], hit[3]
 
     def _cached_norms(self) -> list[float] | None:
         """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
@@ -403,8 +415,9 @@ class Recorder:
         w.sample_histograms = bool(self.config.histogram_every) and step == self._next_hist
         w.sample_tensors = self.samples is not None and self.samples.due(step)
         self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
-        w.watch(self._watched)
-        functional.watching(self, self._watched)
+        if self._watched or w.watching:  # (from one plain step to the next nothing changes)
+            w.watch(self._watched)
+            functional.watching(self, self._watched)
         self._replayed = None
         self.activity.step = self.attention.step = step
 
@@ -657,8 +670,7 @@ class Recorder:
             return False  # a bad step is measured in full
         self._loss_given = loss is not None
         mods = self.watcher.finish_step({}, len(self.watcher.names))  # (not watched: all -1)
-        self._write_step(step, t_called, {
-            "steps": self._step_row(step, loss_value, mods),
+        self._write_step(step, t_called, loss_value, mods, {
             "params": {"grad_norm": norms, "grad_absmax": self._unmeasured, "grad_nonfinite": self._no_bad_grads,
                        "param_norm": self._unmeasured},
             "modules": {"output_absmax": mods["output_absmax"]}})
@@ -782,7 +794,6 @@ class Recorder:
         if self._params:
             self._device = self._params[0].device
         rows = {
-            "steps": self._step_row(step, loss_value, mods),
             # float64 and int64 here: the writer thread stores them as float32/int32 (saturating)
             "params": {
                 "grad_norm": grad_norm,
@@ -814,7 +825,7 @@ class Recorder:
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["module_outputs"] = self.watcher.take_new_shapes()
-        self._write_step(step, t_called, rows)
+        self._write_step(step, t_called, loss_value, mods, rows)
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
@@ -837,27 +848,36 @@ class Recorder:
                 **({"origin_replay": self._replayed["replay"]} if self._replayed else {})}))
         self._end_step(step)
 
-    def _step_row(self, step: int, loss_value: float, mods: dict) -> dict:
-        """The step's row of steps/: loss, memory now, where NaN/Inf was born (more is added by
-        _write_step)."""
-        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else (-1, -1, -1)
-        return {"step": step, "time_s": time.time(), "loss": loss_value, "rss_bytes": rss_bytes(),
-                "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
-                "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"]}
-
-    def _write_step(self, step: int, t_called: float, rows: dict) -> None:
-        """Complete the step's row (census, GC time, the time split) and queue its rows, then a
-        CUDA snapshot if one is due."""
-        row = rows["steps"]
-        census, groups = self._census(step, row["cuda_allocated_bytes"] if row["cuda_allocated_bytes"] >= 0
-                                      else row["rss_bytes"])
-        row.update(census)
+    def _write_step(self, step: int, t_called: float, loss_value: float, mods: dict, rows: dict) -> None:
+        """Add the step's row of steps/ (loss, memory now, where NaN/Inf was born, the census,
+        GC time, the time split) to its rows and queue them, then a CUDA snapshot if one is due.
+        One dict, built once: right after a training step each call and dict update runs cold."""
+        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else _NO_CUDA
+        rss, time_s = rss_bytes(), time.time()
+        n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
-        row["gc_s"], row["gc_gen2"] = self._gc_s, self._gc_gen2
-        self._gc_s, self._gc_gen2 = 0.0, 0
         snapshot_task = self._cuda_snapshot(step)
-        row.update(self._timing(t_called))
+        # Where the step's time went; NaN where a phase was not seen (no forward, first step,
+        # no DataLoader).
+        w = self.watcher
+        t_fwd, t_fwd_end = w.t_forward_start, w.t_forward_end
+        w.t_forward_start = w.t_forward_end = None
+        prev, now = self._t_step_end, time.perf_counter()
+        self._t_step_end = now
+        rows["steps"] = {
+            "step": step, "time_s": time_s, "loss": loss_value, "rss_bytes": rss,
+            "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
+            "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
+            "live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs,
+            "gc_s": self._gc_s, "gc_gen2": self._gc_gen2,
+            "data_wait_s": self._data_wait_s if self._saw_loader else math.nan,
+            "between_steps_s": t_fwd - prev if (t_fwd is not None and prev is not None) else math.nan,
+            "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else math.nan,
+            "backward_s": t_called - t_fwd_end if t_fwd_end is not None else math.nan,
+            "recorder_s": now - t_called,
+        }
+        self._gc_s, self._gc_gen2, self._data_wait_s = 0.0, 0, 0.0
         self.writer.put(rows)
         if snapshot_task is not None:
             self.writer.put_task(snapshot_task)
@@ -895,35 +915,19 @@ class Recorder:
         pk.add("grad_min", [m[0] for m in mm])
         pk.add("grad_max", [m[1] for m in mm])
 
-    def _timing(self, t_called: float) -> dict:
-        """Split the step's wall time; NaN where a phase was not seen (no forward, first step,
-        no DataLoader)."""
-        t_fwd, t_fwd_end = self.watcher.take_times()
-        nan = float("nan")
-        prev = self._t_step_end
-        self._t_step_end = time.perf_counter()
-        data_wait, self._data_wait_s = self._data_wait_s, 0.0
-        return {
-            "data_wait_s": data_wait if self._saw_loader else nan,
-            "between_steps_s": t_fwd - prev if (t_fwd is not None and prev is not None) else nan,
-            "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else nan,
-            "backward_s": t_called - t_fwd_end if t_fwd_end is not None else nan,
-            "recorder_s": self._t_step_end - t_called,
-        }
-
-    def _census(self, step: int, memory: int) -> tuple[dict, list[dict]]:
+    def _census(self, step: int, memory: int) -> tuple[int, int, int, list[dict]]:
         """Live tensor census on a sparse schedule that keeps its cost near census_budget of
         training (0.15%), and also when memory (CUDA allocated, else RSS) climbs to a new high: 10%
         and 64 MiB above the highest a census saw, at least 10 steps after the last one. So the
-        trace knows what held the memory near its peak."""
-        none = {"live_tensors": -1, "live_tensor_bytes": -1, "live_tensors_with_graph": -1}
+        trace knows what held the memory near its peak. Returns (live tensors, their bytes, how
+        many hold a graph, the largest groups), -1s and no groups on the steps without one."""
         now = time.perf_counter()
         self._step_times.append(now)
         peak = (memory > 1.1 * self._census_peak and memory - self._census_peak > 64 * 2**20
                 and step - self._last_census >= 10)
         self._at_peak = peak
         if step < self._next_census and not peak:
-            return none, []
+            return _NO_CENSUS
         self._census_peak = max(self._census_peak, memory)
         self._last_census = step
         t0 = time.perf_counter()
@@ -936,7 +940,7 @@ class Recorder:
             step_s = (times[-1] - times[0]) / (len(times) - 1)
             gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
         self._next_census = max(self._next_census, step + gap)
-        return {"live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs}, groups
+        return n, nbytes, graphs, groups
 
     def _cuda_snapshot(self, step: int):
         """A snapshot of the CUDA allocator on its schedule or at a memory peak (the census's
