@@ -110,7 +110,6 @@ class Recorder:
         self._t_step_end: float | None = None
         self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
         self._saw_loader = False
-        self._step_times: list[float] = []
         self._at_peak = False  # this step's memory is a new high (a census was taken for it)
         self.cuda_memory = None
         self._oom_events = 0
@@ -921,8 +920,6 @@ class Recorder:
         and 64 MiB above the highest a census saw, at least 10 steps after the last one. So the
         trace knows what held the memory near its peak. Returns (live tensors, their bytes, how
         many hold a graph, the largest groups), -1s and no groups on the steps without one."""
-        now = time.perf_counter()
-        self._step_times.append(now)
         peak = (memory > 1.1 * self._census_peak and memory - self._census_peak > 64 * 2**20
                 and step - self._last_census >= 10)
         self._at_peak = peak
@@ -933,12 +930,11 @@ class Recorder:
         t0 = time.perf_counter()
         n, nbytes, graphs, groups = tensor_census()
         cost = time.perf_counter() - t0
-        times = self._step_times[-21:]
-        self._step_times = times
-        gap = self.config.census_every
-        if len(times) > 1:  # keep the census near census_budget of the time of a step
-            step_s = (times[-1] - times[0]) / (len(times) - 1)
-            gap = max(gap, int(cost / (self.config.census_budget * max(step_s, 1e-9))) + 1)
+        # Against the median plain step (_plain_s), not the mean time between steps: an
+        # evaluation pass or a checkpoint between steps would make censuses more frequent.
+        gap, plain = self.config.census_every, self._plain_step_s()
+        if plain is not None:
+            gap = max(gap, int(cost / (self.config.census_budget * max(plain, 1e-9))) + 1)
         self._next_census = max(self._next_census, step + gap)
         return n, nbytes, graphs, groups
 
