@@ -14,20 +14,35 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _HAS_PROC = os.path.exists("/proc/self/statm")
 
 
-_statm: tuple[int, int] | None = None  # (pid, fd) of /proc/self/statm, kept open
+_statm: int | None = None  # fd of this process's /proc/<pid>/statm, kept open
+
+
+def _forget_statm() -> None:
+    """In a forked child: the inherited fd reads the parent's statm; open the child's own."""
+    global _statm
+    if _statm is not None:
+        try:
+            os.close(_statm)
+        except OSError:
+            pass
+    _statm = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_statm)
 
 
 def rss_bytes() -> int:
     """Resident set size of this process now (Linux), else its peak (macOS, BSD).
 
-    On Linux /proc/self/statm stays open and is re-read with pread: an open() and close() per
-    step cost ~50 us more, right after a training step (measured)."""
+    On Linux /proc/<pid>/statm stays open and is re-read with pread: one system call a step.
+    An open() and close() per step cost ~50 us more, right after a training step, and a
+    getpid() per step to notice a fork (now an at-fork handler) a few us (measured)."""
     global _statm
     if _HAS_PROC:
-        pid = os.getpid()
-        if _statm is None or _statm[0] != pid:  # first call, or a forked child (its own /proc/self)
-            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+        if _statm is None:
+            _statm = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return int(os.pread(_statm, 128, 0).split()[1]) * _PAGE
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

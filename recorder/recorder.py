@@ -344,17 +344,20 @@ class Recorder:
     def _cached_norms(self) -> list[float] | None:
         """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
         step (NaN for a parameter without a gradient), or None if a gradient was not seen there
-        (another optimizer, none), or has been replaced or changed in place since."""
+        (another optimizer, none), has been replaced or changed in place since, or one is NaN or
+        Inf (a bad step: measured in full)."""
         entries = self._norms
         if not entries:
             return None
         now = list(map(_GRAD, self._params))
         if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
-            _, grads, versions, values, _ = entries[0]
-            ok = all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
+            _, grads, versions, values, finite = entries[0]
+            ok = finite and all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
             return values if ok else None
         norms, seen = [math.nan] * len(now), [False] * len(now)
-        for index, grads, versions, values, _ in entries:
+        for index, grads, versions, values, finite in entries:
+            if not finite:
+                return None
             if list(map(_VERSION, grads)) != versions:
                 return None
             for i, g, v in zip(index, grads, values):
@@ -654,8 +657,6 @@ class Recorder:
         if (self._watched or self.profiler.prof is not None or step == self._next_update
                 or step + 1 == self._next_update or self.activity.window_ends(step)):
             return False
-        if not all(e[4] for e in self._norms):
-            return False  # a NaN/Inf norm: a bad step, measured in full
         norms = self._cached_norms()
         if norms is None:
             return False
@@ -856,7 +857,7 @@ class Recorder:
         n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
-        snapshot_task = self._cuda_snapshot(step)
+        snapshot_task = self._cuda_snapshot(step) if self.cuda_memory is not None else None
         # Where the step's time went; NaN where a phase was not seen (no forward, first step,
         # no DataLoader).
         w = self.watcher

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import socket
 import time
 
@@ -249,6 +250,31 @@ def test_histogram_budget_spacing(tmp_path):
     expect = np.array([min(numel[i], 262144) for i in params])
     for counts in (weight, grad):
         np.testing.assert_array_equal(counts.sum(axis=2), np.broadcast_to(expect, counts.shape[:2]))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/self/statm"), reason="Linux fork")
+def test_rss_in_a_forked_child_is_the_childs_own():
+    """rss_bytes() keeps /proc/<pid>/statm open; a forked child (a DataLoader worker, a job
+    forked after the recorder started) must read its own, not the parent's it inherited."""
+    from torchautopsy.recorder.memory import rss_bytes
+    parent = rss_bytes()  # opens the parent's statm
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: grow by ~256 MiB of touched pages, report both readings
+        try:
+            os.close(r)
+            block = b"x" * (256 * 2**20)
+            with open("/proc/self/statm") as f:
+                own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            os.write(w, f"{rss_bytes()} {own} {len(block)}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got, own, _ = map(int, os.read(r, 200).split())
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got >= 256 * 2**20 and abs(got - own) < 32 * 2**20, (got, own, parent)
+    assert abs(rss_bytes() - parent) < 128 * 2**20  # the parent still reads its own
 
 
 def test_census_counts_tensor_subclasses(tmp_path):
