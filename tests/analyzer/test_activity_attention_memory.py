@@ -1,5 +1,7 @@
 """dead_relu, attention_collapse and memory_leak on small real runs made in the test."""
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,6 +180,9 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
                 loss.backward()
                 opt.step()
                 kept.append(keep(loss))
+                # A step of ~5 ms, as a real model's: a census (~50-100 ms in this process)
+                # within its budget every 10-20 steps, not only every ~300 tiny ones.
+                time.sleep(0.005)
                 rec.step(loss=loss)
 
     train(tmp_path / "leak", keep=lambda loss: loss)
