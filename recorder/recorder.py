@@ -47,6 +47,10 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PARAMS = operator.itemgetter("params")
 _NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
 _NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
+# Resident memory is read again at a step once this long has passed since the last reading;
+# faster steps repeat it. A reading is a system call on /proc: ~25 us right after a training
+# step (measured), 0.13% of the 20 ms step of benchmarks/'s MLP; a leak or a peak shows the same.
+RSS_EVERY_S = 0.1
 
 
 def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
@@ -108,6 +112,8 @@ class Recorder:
         self._census_peak = 0  # the highest memory a census was taken at
         self._last_census = -(10**9)
         self._t_step_end: float | None = None
+        self._rss = -1  # the last reading of resident memory (RSS_EVERY_S), and when it was taken
+        self._rss_at = -math.inf
         self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
         self._saw_loader = False
         self._at_peak = False  # this step's memory is a new high (a census was taken for it)
@@ -853,7 +859,9 @@ class Recorder:
         GC time, the time split) to its rows and queue them, then a CUDA snapshot if one is due.
         One dict, built once: right after a training step each call and dict update runs cold."""
         alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else _NO_CUDA
-        rss, time_s = rss_bytes(), time.time()
+        if t_called - self._rss_at >= RSS_EVERY_S:
+            self._rss, self._rss_at = rss_bytes(), t_called
+        rss, time_s = self._rss, time.time()
         n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
