@@ -14,11 +14,11 @@ class RecorderConfig:
     # and gradient norms), and its module found by replaying the step (recorder/replay.py).
     # Every `activations_every`-th step (or `attention_every`-th, the smaller) in the first
     # `watch_warmup` steps; then as often as that allows, but sparser if watched steps would add
-    # more than `watch_budget` of the training time, though never sparser than one per two
-    # activity windows. A watched step costs a few passes over each activation and ~10 us of
-    # Python per module (MLP 8x512 on one core: ~5 ms on a 35 ms step; a small transformer: ~20 ms
-    # on 83 ms; measured): 0.3% spaces both at every 60th-100th step; a large model on a GPU stays
-    # at every 10th. watch_budget=1 keeps the fixed schedule.
+    # more than `watch_budget` of the training time, though never sparser than one per activity
+    # window. A watched step costs a few passes over each activation and ~10 us of Python per
+    # module (MLP 8x512 on one core: ~5 ms on a 35 ms step; a small transformer: ~20 ms on 83 ms;
+    # measured): 0.3% spaces both at every 50th step, one per activity window; a large model on a
+    # GPU stays at every 10th. watch_budget=1 keeps the fixed schedule.
     activations_every: int = 10
     watch_budget: float = 0.003
     watch_warmup: int = 100

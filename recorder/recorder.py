@@ -460,13 +460,10 @@ class Recorder:
                 self._next_hist = step + self._budget_gap(step, over, plain, cfg.histogram_budget, every, 10 * every)
             if w.sample_activations:
                 base = min(cfg.activations_every, cfg.attention_every)
-                # At most two activity windows apart: at least every other window judges its
-                # units (the analyzer skips a window without a watched step) and every stretch of
-                # 100 steps keeps an attention and activation sample, even on a tiny model. (One
-                # per window cost the MLP of benchmarks/ 0.4% of its 2-thread wall time, where
-                # the budget asks for 0.3%: a watched step takes ~3.8 ms more than its 18 ms.)
+                # At most one activity window apart: every window (dead units) and every stretch
+                # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
                 self._next_watch = step + self._budget_gap(step, over, plain, cfg.watch_budget, base,
-                                                           max(base, -(-2 * cfg.activity_window // base) * base))
+                                                           max(base, -(-cfg.activity_window // base) * base))
 
     def _plain_step_s(self) -> float | None:
         """Median time of the recent plain steps (neither watched nor part of an update-ratio
