@@ -125,6 +125,17 @@ def build(workload: str):
     return model, opt, loss_fn, batches
 
 
+def train_once(model, opt, loss_fn, batch):
+    """One training iteration, up to the optimizer's step: what every configuration and copy
+    runs before its own end of step (rec.step(), TensorBoard's calls or loss.item())."""
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def dir_bytes(path: str) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -164,11 +175,7 @@ def child(workload: str, config: str, steps: int, warmup: int, threads: int, dev
             raise ValueError(f"unknown config {config!r}")
 
         def train_step(i: int) -> None:
-            x, y = batches[i % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
+            loss = train_once(model, opt, loss_fn, batches[i % len(batches)])
             if rec is not None:
                 rec.step(loss=loss)
             elif tb is not None:
@@ -241,11 +248,7 @@ def paired_child(workload: str, steps: int, warmup: int, threads: int, block: in
 
         def train_step(model, opt, i: int, recorded: bool) -> float:
             t = clock()
-            x, y = batches[i % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
+            loss = train_once(model, opt, loss_fn, batches[i % len(batches)])
             if recorded:
                 rec.step(loss=loss)
             else:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import WORKLOADS, build  # noqa: E402
+from overhead import WORKLOADS, build, train_once  # noqa: E402
 
 
 def kind_of(rec) -> str:
@@ -67,11 +67,7 @@ def main(argv=None) -> None:
             model, opt = (model_a, opt_a) if is_recorded else (model_b, opt_b)
             kind = kind_of(rec) if is_recorded else ""
             t = clock()
-            x, y = batches[i % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
+            loss = train_once(model, opt, loss_fn, batches[i % len(batches)])
             t_step = clock()
             if is_recorded:
                 rec.step(loss=loss)
