@@ -1,8 +1,10 @@
 """Attention statistics per layer and head, on sampled steps, without user help.
 
-``nn.MultiheadAttention``: a forward pre-hook sees the call's own arguments (also when
-``nn.TransformerEncoderLayer`` calls it with ``need_weights=False``) and recomputes the
-per-head probabilities beside it from the module's weights. Calls of
+``nn.MultiheadAttention``: a forward pre-hook sees the call's own arguments. Called with
+``need_weights=False`` (as ``nn.TransformerEncoderLayer`` calls it), the module hands its
+projected query and key to ``F.scaled_dot_product_attention``, and the probabilities are taken
+from that call; otherwise (or if that call is not seen) they are recomputed beside it from the
+module's weights. Calls of
 ``F.scaled_dot_product_attention`` anywhere inside the model are seen by a wrapper (see
 functional.py) and named after the innermost module whose forward made them. Either way the
 probabilities are computed from the same inputs, under ``no_grad``, on a slice of the batch
@@ -39,15 +41,22 @@ class AttentionTracker:
         self.sites: dict[tuple[int, str, int], _Site] = {}
         self._heads = 0
         self._new_sites: list[dict] = []
-        self._handles = [
-            m.register_forward_pre_hook(self._make_mha_hook(), with_kwargs=True)
-            for m in watcher.modules if isinstance(m, nn.MultiheadAttention)
-        ]
+        # Module index -> (call, module, args, kwargs) of a MultiheadAttention call whose
+        # probabilities are to come from the scaled_dot_product_attention call it makes: its own
+        # projections, not a second pair of them (the query's and the key's: ~15% more matrix
+        # products in the forward of benchmarks/'s transformer).
+        self._pending: dict[int, tuple] = {}
+        self._handles = []
+        for m in watcher.modules:
+            if isinstance(m, nn.MultiheadAttention):
+                self._handles.append(m.register_forward_pre_hook(self._make_mha_hook(), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._mha_done, with_kwargs=True))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._pending = {}
 
     def _make_mha_hook(self):
         def pre_hook(module, args, kwargs):
@@ -58,33 +67,61 @@ class AttentionTracker:
                 if frame is None:
                     return None
                 frame[2] += 1
-                q = call_arg(args, kwargs, 0, "query")
-                k = call_arg(args, kwargs, 1, "key")
-                out = mha_probs(
-                    module, q, k,
-                    key_padding_mask=call_arg(args, kwargs, 3, "key_padding_mask"),
-                    attn_mask=call_arg(args, kwargs, 5, "attn_mask"),
-                    is_causal=bool(call_arg(args, kwargs, 7, "is_causal", False)),
-                    need_weights=bool(call_arg(args, kwargs, 4, "need_weights", True)),
-                    return_allowed=True,
-                )
-                if out is not None:
-                    self._observe((frame[0], "MultiheadAttention", frame[2] - 1), *out)
+                if not call_arg(args, kwargs, 4, "need_weights", True):
+                    self._pending[frame[0]] = (frame[2] - 1, module, args, kwargs)
+                else:
+                    self._mha(frame[0], frame[2] - 1, module, args, kwargs)
             except Exception as e:
                 self.on_error(e)
             return None
 
         return pre_hook
 
+    def _mha(self, index: int, call: int, module, args, kwargs) -> None:
+        """The probabilities recomputed from the module's weights and the call's arguments."""
+        out = mha_probs(
+            module, call_arg(args, kwargs, 0, "query"), call_arg(args, kwargs, 1, "key"),
+            key_padding_mask=call_arg(args, kwargs, 3, "key_padding_mask"),
+            attn_mask=call_arg(args, kwargs, 5, "attn_mask"),
+            is_causal=bool(call_arg(args, kwargs, 7, "is_causal", False)),
+            need_weights=bool(call_arg(args, kwargs, 4, "need_weights", True)),
+            return_allowed=True,
+        )
+        if out is not None:
+            self._observe((index, "MultiheadAttention", call), *out)
+
+    def _mha_done(self, module, args, kwargs, output):
+        """After a MultiheadAttention call: if it made no scaled_dot_product_attention call that
+        was seen (another path of torch's), recompute its probabilities now. The weights are
+        those of the call: a forward does not change them."""
+        if not self._pending:
+            return None
+        try:
+            for index, pending in list(self._pending.items()):
+                if pending[1] is module:
+                    del self._pending[index]
+                    self._mha(index, *pending)
+        except Exception as e:
+            self.on_error(e)
+        return None
+
     def on_attention(self, fn: str, args, kwargs, out) -> None:
         """A call of F.scaled_dot_product_attention (from the wrapper in functional.py)."""
         if not self.sampled:
             return
         frame = self.watcher.current()
-        # MultiheadAttention calls it too, with need_weights=False: its pre-hook has it already.
-        if frame is None or isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
+        if frame is None:
             return
-        frame[2] += 1
+        if isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
+            # MultiheadAttention's own call: its site, with the projections it made; without
+            # need_weights=False its pre-hook has recomputed the probabilities already.
+            pending = self._pending.pop(frame[0], None)
+            if pending is None:
+                return
+            key = (frame[0], "MultiheadAttention", pending[0])
+        else:
+            frame[2] += 1
+            key = (frame[0], "scaled_dot_product_attention", frame[2] - 1)
         q, k = call_arg(args, kwargs, 0, "query"), call_arg(args, kwargs, 1, "key")
         res = sdpa_probs(
             q, k, attn_mask=call_arg(args, kwargs, 3, "attn_mask"),
@@ -93,7 +130,7 @@ class AttentionTracker:
             return_allowed=True,
         )
         if res is not None:
-            self._observe((frame[0], "scaled_dot_product_attention", frame[2] - 1), *res)
+            self._observe(key, *res)
 
     def _observe(self, key, probs: torch.Tensor, allowed) -> None:
         site = self.sites.get(key)
@@ -119,6 +156,7 @@ class AttentionTracker:
             pk.add("attn_sim", torch.cat([torch.cat(s.similarity).mean().reshape(1) for s in seen]))
 
     def finish_step(self, step: int, host: dict) -> dict | None:
+        self._pending = {}  # (left by a forward that raised inside the module)
         seen = [s for s in self.sites.values() if s.stats]
         if not seen:
             return None
