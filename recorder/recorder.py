@@ -33,7 +33,7 @@ from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
-from .stats import Packer, l2_norms
+from .stats import Packer, l2_norm_values, l2_norms
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -309,9 +309,9 @@ class Recorder:
             # at rec.step().
             if any(map(_REQUIRES_GRAD, grads)):
                 with torch.no_grad():
-                    values = l2_norms(grads).tolist()
+                    values = l2_norm_values(grads)
             else:
-                values = l2_norms(grads).tolist()
+                values = l2_norm_values(grads)
             # (plain Python: right after a training step a numpy call costs ~50 us, measured)
             finite = all(map(math.isfinite, values))
             self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))

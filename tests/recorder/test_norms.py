@@ -1,6 +1,7 @@
 """l2_norms: the recorder's gradient and weight norms (on a CPU with several threads, a BLAS dot per
 tensor for lists of large tensors; otherwise one _foreach_norm), checked against float64 norms,
-in the tensors' order."""
+in the tensors' order; and l2_norm_values, the same norms read to the host as Python floats (the
+optimizer step pre-hook's, every step)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from torchautopsy.recorder.stats import DOT_MEAN_ELEMENTS, l2_norms
+from torchautopsy.recorder.stats import DOT_MEAN_ELEMENTS, l2_norm_values, l2_norms
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -42,6 +43,9 @@ def test_large_tensors_take_dots_with_threads_and_match_float64(threads):
     assert sum(t.numel() for t in tensors) >= DOT_MEAN_ELEMENTS * len(tensors)
     got = l2_norms(tensors).tolist()
     assert got == pytest.approx([_reference(t) for t in tensors], rel=1e-5, abs=1e-30)
+    values = l2_norm_values(tensors)
+    assert type(values) is list and all(type(v) is float for v in values)
+    assert values == pytest.approx(got, rel=1e-6, abs=1e-30)
     ops = _ops(tensors)
     if threads > 1:
         assert "aten::dot" in ops and "aten::_foreach_norm" not in ops
@@ -63,8 +67,9 @@ def test_other_lists_take_foreach_norm_in_order(threads):
         for k, t in enumerate(tensors):
             rel = 1e-2 if t.dtype == torch.bfloat16 else 1e-5  # (bfloat16's norm is a bfloat16)
             assert got[k].item() == pytest.approx(_reference(t), rel=rel, abs=1e-30), k
+        assert l2_norm_values(tensors) == got.tolist()  # the same values, read one by one
         assert "aten::dot" not in _ops(tensors)
-    assert l2_norms([]).numel() == 0
+    assert l2_norms([]).numel() == 0 and l2_norm_values([]) == []
 
 
 def test_nan_and_inf_are_not_hidden(threads):
@@ -72,10 +77,10 @@ def test_nan_and_inf_are_not_hidden(threads):
     with_nan, with_inf = big.clone(), big.clone()
     with_nan[123] = math.nan
     with_inf[5] = -math.inf
-    got = l2_norms([with_nan, with_inf, big]).tolist()
-    assert math.isnan(got[0])
-    assert got[1] == math.inf
-    assert got[2] == pytest.approx(math.sqrt(big.numel()))
+    for got in (l2_norms([with_nan, with_inf, big]).tolist(), l2_norm_values([with_nan, with_inf, big])):
+        assert math.isnan(got[0])
+        assert got[1] == math.inf
+        assert got[2] == pytest.approx(math.sqrt(big.numel()))
 
 
 def test_records_no_graph_and_leaves_the_tensors_alone(threads):
