@@ -426,6 +426,8 @@ class Recorder:
         if self._watched or w.watching:  # (from one plain step to the next nothing changes)
             w.watch(self._watched)
             functional.watching(self, self._watched)
+            if self.blackbox is not None:  # watched steps read the RNG states and check them
+                self.blackbox.take_rng = self._watched or not self.blackbox.rng_free
         self._replayed = None
         self.activity.step = self.attention.step = step
 
@@ -686,6 +688,8 @@ class Recorder:
     def _record_step(self, loss, t_called: float) -> None:
         step = self._step
         watched = self._watched
+        if watched and self.blackbox is not None:
+            self.blackbox.check_rng()
         pk = Packer()
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
             grads = [p.grad for p in self._params]

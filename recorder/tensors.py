@@ -251,12 +251,16 @@ class BlackBox:
     """Holds, at no copy, what a step's failure needs; copies it out only when a step breaks.
 
     Every step: references to the model's own forward inputs (the tensors the training holds
-    anyway; up to MAX_CALLS root forwards per step), and torch's RNG states at the step's first
-    forward (CPU, and CUDA of the model's device: ~1 us), and the buffers then (a foreach copy). Nothing is copied
+    anyway; up to MAX_CALLS root forwards per step), torch's RNG states at the step's first
+    forward (CPU, and CUDA of the model's device) while the training may draw random numbers
+    (see check_rng), and the buffers then (a foreach copy). Nothing is copied
     until a trigger; then the state, inputs, optimizer state of the affected parameters, their
     gradients and the RNG states are copied to the host once and written."""
 
     MAX_CALLS = 16
+    # Watched steps in a row that drew no random numbers before the RNG states stop being read
+    # on the other steps (the first 100 steps watch every 10th: from step ~30 on).
+    RNG_STEADY_STEPS = 3
 
     def __init__(self, model: nn.Module, on_error):
         self.model = model
@@ -264,6 +268,17 @@ class BlackBox:
         self.armed = True
         self.inputs: list[tuple[tuple, dict]] = []
         self.rng: dict | None = None
+        # Reading the RNG states costs ~20 us at a step's first forward, cold (two tensors made;
+        # measured on benchmarks/' MLP), and a step that draws no random numbers (no dropout,
+        # no random op) replays the same from any state. So they are read on every step until
+        # RNG_STEADY_STEPS watched steps have shown that a step leaves them as they were, and
+        # then on watched steps only, which keep checking: one step seen drawing (dropout
+        # switched on later, say) brings the reads back for good. The recorder sets take_rng.
+        self.take_rng = True
+        self.rng_free = False
+        self._rng_steady = 0
+        self._rng_drawn = False
+        self._rng_skipped = False  # this step's were not read (taken at capture() instead)
         # Buffers change in the forward (BatchNorm running statistics): their values at the step's
         # first forward are copied into these, preallocated on their device (a few KB for most
         # models: one foreach copy per step, no allocation).
@@ -292,14 +307,33 @@ class BlackBox:
 
     def _observe(self, args, kwargs) -> None:
         if not self.inputs:
-            self.rng = _rng_states(self._first_param)
-            self._copy_buffers()
+            if self.take_rng:
+                self.rng = _rng_states(self._first_param)
+            else:
+                self._rng_skipped = True
+            if self._buffer_slots != []:  # (None until found, at the first step)
+                self._copy_buffers()
         if len(self.inputs) < self.MAX_CALLS:
             # Detached (shallowly): an input that carries an autograd graph (a GAN's generated
             # batch) must not keep that graph alive through us.
-            self.inputs.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                                {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
+            if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # most models
+                self.inputs.append(((args[0].detach(),), {}))
+            else:
+                self.inputs.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                    {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
         return None
+
+    def check_rng(self) -> None:
+        """At the end of a step whose RNG states were read at its first forward (a watched
+        step): did the step draw random numbers since? See take_rng."""
+        if self.rng is None or self._rng_drawn:
+            return
+        now = _rng_states(self._first_param)
+        if now.keys() == self.rng.keys() and all(torch.equal(now[k], self.rng[k]) for k in now):
+            self._rng_steady += 1
+            self.rng_free = self._rng_steady >= self.RNG_STEADY_STEPS
+        else:
+            self._rng_drawn, self.rng_free = True, False
 
     def _copy_buffers(self) -> None:
         if self._buffer_slots is None:  # (module, name) of each persistent buffer, found once
@@ -340,6 +374,7 @@ class BlackBox:
     def new_step(self) -> None:
         self.inputs = []
         self.rng = None
+        self._rng_skipped = False
         self._buffers_at_start = False
 
     def capture(self, step: int, trigger: str, params_at: str, optimizer=None, bad: list[str] = (),
@@ -367,7 +402,9 @@ class BlackBox:
                 c = host_copy(t)
                 if c is not None:
                     items.append((name, "input", c))
-        rng = dict(self.rng or {})
+        # A step whose states were not read drew no random numbers up to here (check_rng): they
+        # are those of its first forward.
+        rng = dict(self.rng) if self.rng is not None else _rng_states(self._first_param) if self._rng_skipped else {}
         rng["numpy"], rng["python"] = np.random.get_state(), random.getstate()  # as they are now
         for name, t in rng_tensors(rng).items():
             items.append((f"rng.{name}", "rng", t))
@@ -390,7 +427,11 @@ class BlackBox:
                     elif isinstance(v, (int, float, bool)):
                         scalars[f"optimizer.{name}.{k}"] = json.dumps(v)
         detail = {"trigger_detail": extra or {}, "affected": list(bad)[:1000], "forward_calls": n_calls,
-                  "values": scalars, **opt_info}
+                  "values": scalars, **opt_info,
+                  # when rng.torch (and rng.cuda) were read: at the step's first forward, or here,
+                  # for a step that drew no random numbers up to here as far as the watched steps
+                  # showed (check_rng); "none": no forward was seen this step
+                  "rng_at": "first_forward" if self.rng is not None else "capture" if self._rng_skipped else "none"}
         row = {"step": step, "trigger": trigger, "params_at": params_at,
                "detail": json.dumps(detail, default=str)[:1_000_000]}
         return blob_task("blackbox", step, items, {"blackbox": row})

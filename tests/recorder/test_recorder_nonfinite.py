@@ -409,3 +409,69 @@ def test_unreproducible_nan_is_reported_as_unchecked_not_blamed_on_the_loss(tmp_
     f = next(x for x in json.loads(out.read_text())["findings"] if x["kind"] == "nonfinite")
     assert f["step"] == NAN_STEP and f["evidence"]["stage"] == "unchecked"
     assert "activations_every=1" in f["advice"]
+
+
+class DropoutLater(nn.Module):
+    """A dropout that draws no random numbers until the test sets its p (p=0 draws none), and
+    a NaN born at one step."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.a, self.drop, self.nan, self.b = nn.Linear(8, 8), nn.Dropout(0.0), NaNAt(at), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(self.nan(self.drop(torch.relu(self.a(x)))))
+
+
+def _rng_run(run_dir, nan_step, dropout_from=None):
+    """Train DropoutLater to its NaN and one step past it. Between steps the loop draws from
+    torch's RNG (as a sampler or an augmentation does), so each step starts from other states.
+    Returns the RNG state at each step's first forward, and the black box's tensors and detail."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_cli
+
+    torch.manual_seed(0)
+    model = DropoutLater(nan_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    states = []
+    with Recorder(model, run_dir, histogram_every=0, sample_every=0, snapshot_every=0) as rec:
+        for step in range(nan_step + 2):
+            torch.randn(3)  # the data pipeline's draw
+            if step == dropout_from:
+                model.drop.p = 0.5
+            states.append(torch.get_rng_state())
+            g = torch.Generator().manual_seed(step)
+            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    out = run_dir.parent / "blackbox.safetensors"
+    r = run_cli("export", run_dir, "--tensors", "blackbox", out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    with open_trace(run_dir / "rank0.h5") as f:
+        detail = json.loads(f["blackbox/detail"][0].decode())
+        assert f["blackbox/step"][0] == nan_step
+        assert names(f["modules/name"])[f["steps/nonfinite_origin"][nan_step]] == "nan"
+    return states, load_file(out), detail
+
+
+def test_rng_states_of_a_step_that_draws_none_are_taken_when_the_box_fires(tmp_path):
+    """Once watched steps (0, 10, 20) showed that a step draws no random numbers, the RNG states
+    are no longer read at each step's first forward; a NaN at step 35 (not watched) still gets
+    the states its forward started from, read when the black box fires, and its replay."""
+    states, tensors, detail = _rng_run(tmp_path / "run", nan_step=35)
+    assert detail["rng_at"] == "capture"
+    assert torch.equal(tensors["rng.torch"], states[35])
+    assert not torch.equal(states[35], states[34])  # (the test's draws between steps)
+    assert "reproduced: module 'nan'" in detail["trigger_detail"]["origin_replay"]
+
+
+def test_rng_states_are_read_again_once_a_watched_step_draws(tmp_path):
+    """Dropout switched on at step 45: the watched step 50 sees the step draw, and from then on
+    every step's states are read at its first forward again; the NaN of step 57 gets those."""
+    states, tensors, detail = _rng_run(tmp_path / "run", nan_step=57, dropout_from=45)
+    assert detail["rng_at"] == "first_forward"
+    assert torch.equal(tensors["rng.torch"], states[57])
+    assert "reproduced: module 'nan'" in detail["trigger_detail"]["origin_replay"]
