@@ -33,7 +33,7 @@ from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
-from .stats import Packer, l2_norm_values, l2_norms
+from .stats import Packer, l2_norm_values, l2_norms, takes_dots
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -42,8 +42,6 @@ _MAX_SUMMARY_CHARS = 65536
 # cold, and a generator over the parameters costs several us more than these (measured).
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
-_IS_SPARSE = operator.attrgetter("is_sparse")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PARAMS = operator.itemgetter("params")
 _NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
 _NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
@@ -294,26 +292,27 @@ class Recorder:
         if not self._active or self.blackbox is None or not self.blackbox.armed:
             return None
         try:
-            index, params = self._optimized(optimizer)
+            index, params, dots = self._optimized(optimizer)
             if not params:
                 return None  # not an optimizer of the watched model
             grads = list(map(_GRAD, params))
-            if type(None) in map(type, grads) or any(map(_IS_SPARSE, grads)):  # frozen or sparse ones: left out
+            # One host sync, here rather than at rec.step(). No no_grad() (~15 us): gradients
+            # made with backward(create_graph=True) give a norm that records a graph node,
+            # dropped with it at once. Each check of the gradients is a pass over them, a few
+            # us cold: the common case (every one dense) is tried first, on the path chosen
+            # for the optimizer's parameters.
+            try:
+                values = l2_norm_values(grads, dots)
+            except (AttributeError, TypeError, RuntimeError):  # frozen (None) or sparse ones: left out
                 kept = [k for k, g in enumerate(grads) if g is not None and not g.is_sparse]
                 index, grads = [index[k] for k in kept], [grads[k] for k in kept]
+                values = l2_norm_values(grads)
             if not grads:
                 return None  # no gradients (yet)
             self._saw_optimizer = True
-            # Gradients are leaves, reducing them records no graph: no_grad (~15 us) only for
-            # gradients made with backward(create_graph=True). One host sync, here rather than
-            # at rec.step().
-            if any(map(_REQUIRES_GRAD, grads)):
-                with torch.no_grad():
-                    values = l2_norm_values(grads)
-            else:
-                values = l2_norm_values(grads)
-            # (plain Python: right after a training step a numpy call costs ~50 us, measured)
-            finite = all(map(math.isfinite, values))
+            # (plain Python: right after a training step a numpy call costs ~50 us, measured;
+            # norms are >= 0 and below ~2e19, so their sum is finite exactly when each is)
+            finite = math.isfinite(sum(values))
             self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))
             if finite:
                 return None
@@ -330,10 +329,11 @@ class Recorder:
             self._fail(e)
         return None
 
-    def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor]]:
-        """(indices, parameters) of the watched model's parameters in an optimizer's groups;
-        found once per optimizer and again when its groups change. An optimizer of every
-        parameter, in the model's order, gets self._all_index itself (see _cached_norms).
+    def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor], bool]:
+        """(indices, parameters, whether their gradients' norms take dots: stats.takes_dots) of
+        the watched model's parameters in an optimizer's groups; found once per optimizer and
+        again when its groups change. An optimizer of every parameter, in the model's order,
+        gets self._all_index itself (see _cached_norms).
         Kept by id(), the optimizer checked through a weak reference: a WeakKeyDictionary's
         lookup (a weakref made in Python per call) cost ~15 us a step, cold (measured)."""
         groups = optimizer.param_groups
@@ -342,10 +342,11 @@ class Recorder:
         if hit is None or hit[1] != key or hit[0]() is not optimizer:
             pairs = [(i, p) for g in groups for p in g["params"] if (i := self._param_index.get(id(p))) is not None]
             index = [i for i, _ in pairs]
+            params = [p for _, p in pairs]
             hit = (weakref.ref(optimizer), key, self._all_index if index == self._all_index else index,
-                   [p for _, p in pairs])
+                   params, takes_dots(params))  # (a gradient has its parameter's size, dtype, device)
             self._opt_params[id(optimizer)] = hit
-        return hit[2], hit[3]
+        return hit[2], hit[3], hit[4]
 
     def _cached_norms(self) -> list[float] | None:
         """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
