@@ -364,13 +364,16 @@ def test_activation_stats_of_a_module_called_twice_cover_both_calls(tmp_path):
                                        rtol=1e-6, err_msg=n)
         assert np.isfinite(f["activations/mean"][0, mnames.index("")])  # the root: the second call's output
 
-def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path):
+@pytest.mark.parametrize("frozen_in_optimizer", [False, True])
+def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path, frozen_in_optimizer):
     """Most steps take the recorder's short path (norms from the optimizer pre-hook); a frozen
-    layer (no gradient) must not push them off it or change what is written: NaN for it."""
+    layer (no gradient) must not push them off it or change what is written: NaN for it. Also
+    when the optimizer holds the frozen parameters too (their None gradients skipped there)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     model[0].requires_grad_(False)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad or frozen_in_optimizer],
+                          lr=0.1, momentum=0.9)
     ref = []
     with Recorder(model, tmp_path / "run") as rec:
         for step in range(8):
