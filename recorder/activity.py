@@ -55,6 +55,7 @@ class ActivityTracker:
         self.step = 0
         self._window_start = 0
         self._windows_done = 0
+        self.last_step = self._last_step()  # the current window's last step (window_ends)
         # Steps of the current window whose modules were hooked (watched, see hooks.py): the
         # sites are only seen on those steps.
         self.steps_watched = 0
@@ -136,11 +137,13 @@ class ActivityTracker:
 
     # -- called at rec.step() ----------------------------------------------------------------
     def window_ends(self, step: int) -> bool:
+        return step >= self.last_step
+
+    def _last_step(self) -> int:
         """Windows grow 5, 10, 20, 40 steps, then `window` each: early deaths (a too-high
         learning rate kills units within a few steps) are dated to within a few steps, and
         'dead from the start' means never positive in the first 5 steps."""
-        length = min(self.window, 5 * 2 ** self._windows_done)
-        return (step + 1 - self._window_start) >= length
+        return self._window_start + min(self.window, 5 * 2 ** self._windows_done) - 1
 
     def pack(self, pk: Packer) -> None:
         """Add the window's bits and counts to this step's one host transfer."""
@@ -175,6 +178,7 @@ class ActivityTracker:
             s.mask, s.saturated, s.numel, s.steps_seen = None, None, 0, 0
         self._window_start = step + 1
         self._windows_done += 1
+        self.last_step = self._last_step()
         self.steps_watched = 0
         return row
 

@@ -238,6 +238,8 @@ class Recorder:
             flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,
             queue_size=self.config.queue_size,
         )
+        # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
+        self._unwatched = self.watcher.finish_step({}, n_modules)
         self.activity = ActivityTracker(self.watcher, self.config.activity_window)
         self.profiler = ProfilerWindows(self.config.profile_first, self.config.profile_steps,
                                         self.config.profile_every, self._device)
@@ -664,7 +666,7 @@ class Recorder:
         float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
         step = self._step
         if (self._watched or self.profiler.prof is not None or step == self._next_update
-                or step + 1 == self._next_update or self.activity.window_ends(step)):
+                or step + 1 == self._next_update or step >= self.activity.last_step):  # (window_ends)
             return False
         norms = self._cached_norms()
         if norms is None:
@@ -678,7 +680,7 @@ class Recorder:
         if loss is not None and not math.isfinite(loss_value):
             return False  # a bad step is measured in full
         self._loss_given = loss is not None
-        mods = self.watcher.finish_step({}, len(self.watcher.names))  # (not watched: all -1)
+        mods = self._unwatched  # (no module hooked: nothing to finish)
         self._write_step(step, t_called, loss_value, mods, {
             "params": {"grad_norm": norms, "grad_absmax": self._unmeasured, "grad_nonfinite": self._no_bad_grads,
                        "param_norm": self._unmeasured},
