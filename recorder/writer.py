@@ -32,17 +32,6 @@ _STR = h5py.string_dtype("utf-8")
 GROWS = -1  # width of a column whose rows get longer as new sites (layers, heads) are seen
 
 
-def _yield_to_training() -> None:
-    """Run this (the writer's) thread at nice +10 (Linux sets it per thread): where the training's
-    threads keep every core busy, it writes in their gaps rather than taking a core from them,
-    and at worst falls behind, which fills its queue (then drops rows, counted), never stalls."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
-    except (AttributeError, OSError):  # not Linux, or not allowed
-        pass
-
-
 @dataclass(frozen=True)
 class Column:
     name: str
@@ -511,7 +500,12 @@ class TraceWriter:
 
     # -- writer thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        _yield_to_training()
+        """The writer thread. It once ran at nice +10, to write in the gaps of the training's
+        threads; but it holds the GIL while it runs Python (buffering rows, building columns),
+        and a low-priority thread preempted while holding it stalls the training's thread that
+        waits for it. At the process's priority the MLP of benchmarks/ (two threads, paired,
+        benchmarks/step_kinds.py) cost +0.34, +0.41, +0.47 ms a step recorded, against +0.45 to
+        +0.68 at nice +10 and +0.43, +0.44 with SCHED_IDLE (measured)."""
         last_flush = time.monotonic()
         table = row = None
         try:
