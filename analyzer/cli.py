@@ -138,6 +138,23 @@ def main(argv=None) -> None:
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except TraceError as e:  # raised where a command reads lazily, outside its own handling
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(2)
+    except (MemoryError, RecursionError) as e:
+        click.echo(f"Error: the trace asks for more than this machine can give ({type(e).__name__}); "
+                   "it is damaged or crafted", err=True)
+        sys.exit(2)
+    except Exception as e:
+        # Never a traceback on a user's terminal, and never exit 1 (which --fail-on means):
+        # whatever a damaged trace drove us into ends as one line and exit 2.
+        if os.environ.get("TORCHAUTOPSY_DEBUG"):
+            raise
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        click.echo(f"Error: torchautopsy could not finish ({type(e).__name__}: {first}); the trace may be "
+                   "damaged; if it is not, please report this (TORCHAUTOPSY_DEBUG=1 shows the traceback)",
+                   err=True)
+        sys.exit(2)
     sys.exit(code or 0)
 
 

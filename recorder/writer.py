@@ -308,6 +308,8 @@ def _chunk_rows(width: int, itemsize: int) -> int:
     return int(max(16, min(4096, (32 * 1024) // max(1, width * itemsize))))
 
 
+STARTING_SUFFIX = ".starting"  # the analyzer's trace/run_dir.py knows it too
+
 _STOP = object()
 _FLUSH = object()
 _TASK = object()
@@ -364,7 +366,26 @@ class TraceWriter:
         # loudly at Recorder() and the file is complete (if empty) before training starts.
         # A small chunk cache: rows are appended, so only the last chunk of each dataset is
         # hot; HDF5's default (1 MiB per dataset) grew the job's memory by ~26 MiB (measured).
-        self._f = h5py.File(path, "w", libver="latest", rdcc_nbytes=64 * 1024)
+        # Built under a temporary name and renamed once flushed: a job killed in its first
+        # ~50 ms leaves ``rank{N}.h5.starting`` (which the analyzer explains), never a
+        # ``rank{N}.h5`` that cannot be opened.
+        starting = path + STARTING_SUFFIX
+        self._f = h5py.File(starting, "w", libver="latest", rdcc_nbytes=64 * 1024)
+        try:
+            self._layout(attrs, static, tables)
+            self._f.flush()
+            self._f.swmr_mode = True
+            os.replace(starting, path)
+        except BaseException:
+            self._f.close()
+            if os.path.exists(starting):
+                os.remove(starting)
+            raise
+        self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
+        self._thread.start()
+
+    def _layout(self, attrs: dict, static: dict, tables: dict[str, list[Column]]) -> None:
+        """Every group and dataset of the trace, empty, and the run's attributes."""
         set_attrs(self._f, attrs)
         for group, datasets in static.items():
             g = self._f.require_group(group)
@@ -406,10 +427,6 @@ class TraceWriter:
         # chunks are allocated once and rewritten in place.
         self._snap = self._f.create_dataset("snapshots/bytes", shape=(0,), maxshape=(None,), dtype="u1",
                                             chunks=(64 * 1024,))
-        self._f.flush()
-        self._f.swmr_mode = True
-        self._thread = threading.Thread(target=self._run, name="torchautopsy-writer", daemon=True)
-        self._thread.start()
 
     @staticmethod
     def _create(g: h5py.Group, c: Column) -> h5py.Dataset:

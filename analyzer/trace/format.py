@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 
 from ..errors import TraceFormatError
+from .safety import check_trace_file
 
 # 2: module outputs, weight norms and gradient max |g| are measured on watched steps only (-1
 # elsewhere: not measured); activity windows say how many of their steps were watched.
@@ -16,6 +17,8 @@ SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
+# A rank file still being built by the recorder (recorder/writer.py renames it when readable).
+STARTING_SUFFIX = ".starting"
 
 PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
 MODULE_STATS = ("output_absmax",)
@@ -47,33 +50,68 @@ def _open(path: str) -> h5py.File:
         raise TraceFormatError(f"{path} is not an HDF5 file, so not a torchautopsy trace; "
                                "point at the run directory written by Recorder(model, run_dir)")
     try:
-        return h5py.File(path, "r")
-    except OSError as plain:
+        return _checked(h5py.File(path, "r"), path)
+    except (OSError, RuntimeError, ValueError) as plain:
         message = str(plain)
     # A killed writer leaves its "open for write" flag set; SWMR readers accept that. Only then
     # do we retry in SWMR mode: on a damaged file an SWMR reader retries reads for a long time.
     if "already open for write" in message:
         try:
-            return h5py.File(path, "r", swmr=True)
-        except OSError as e:
+            return _checked(h5py.File(path, "r", swmr=True), path)
+        except (OSError, RuntimeError, ValueError) as e:
             message = str(e)
     reason = message.split("(", 1)[-1].rstrip(")") if "(" in message else message
     raise TraceFormatError(f"{path} is truncated or corrupt (HDF5 says: {reason}); "
                            "copy it again from the job's run directory")
 
 
+def _checked(f: h5py.File, path: str) -> h5py.File:
+    """The open file, once safety.check_trace_file has passed it (closed if it does not)."""
+    try:
+        check_trace_file(f, path)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+# Characters a trace's strings may not carry to a terminal or a report: C0 controls (ESC starts
+# ANSI and OSC 8 sequences), DEL, C1 controls (0x9b is a one-byte CSI), and the Unicode bidi
+# controls that reorder what a reader sees. Each is shown as its escape, so nothing is hidden.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROL_OR_LINE = re.compile(_CONTROL.pattern[:-1] + "\t\n]")
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def clean_text(text: str, lines: bool = True) -> str:
+    """A string from a trace with its control characters escaped; with ``lines=False`` tabs and
+    newlines too (names: one line each)."""
+    pattern = _CONTROL if lines else _CONTROL_OR_LINE
+    return pattern.sub(_escape, text) if pattern.search(text) else text
+
+
+def _decode(v, lines: bool = True) -> str:
+    text = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    return clean_text(text, lines)
+
+
 def _attr(v):
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
+    if isinstance(v, (bytes, str)):
+        return _decode(v, lines=False)
     if isinstance(v, np.generic):
         return v.item()
     return v
 
 
-def _texts(values) -> list[str]:
-    """UTF-8 strings as h5py returns them (bytes, or str) to str."""
-    return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values]
+def _texts(values, lines: bool = True) -> list[str]:
+    """UTF-8 strings as h5py returns them (bytes, or str) to str, control characters escaped."""
+    return [_decode(v, lines) for v in values]
 
 
 def _strings(ds) -> list[str]:
-    return _texts(ds[()])
+    """A dataset of names: one line each."""
+    return _texts(ds[()], lines=False)

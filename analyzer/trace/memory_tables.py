@@ -45,7 +45,7 @@ class MemoryTables:
         }
         out = {}
         for key, (table, cols, texts) in tables.items():
-            t = self._table(table, cols)
+            t = self._table(table, cols, texts)
             sel = np.flatnonzero(np.asarray(t["snapshot"]) == snapshot)
             df = pd.DataFrame({c: np.asarray(t[c])[sel] for c in cols})
             for c in texts:

@@ -12,12 +12,26 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SchemaVersionError, TraceFormatError
+from . import schema
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
-                     _PER_STEP_TABLES, _attr, _open, _strings, _texts)
+                     _PER_STEP_TABLES, _RANK_FILE, _attr, _open, _strings, _texts)
 from .memory_tables import MemoryTables
 from .stored_tensors import StoredTensors
 from .streaming import _WINDOWS_PER_READ, StepDigest, _gather, _row_selection, _width, block_rows
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    shape = json.loads(text)
+    if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**53 for d in shape):
+        raise ValueError(f"a parameter shape reads {text[:40]!r}")
+    return tuple(shape)
+
+
+def _rank_of(path: str) -> int:
+    """The rank a file's name gives (rank3.h5: 3), for a trace whose rank attribute is unusable."""
+    m = _RANK_FILE.match(os.path.basename(path))
+    return int(m.group(1)) if m else 0
 
 
 class RankTrace(MemoryTables, StoredTensors):
@@ -32,34 +46,39 @@ class RankTrace(MemoryTables, StoredTensors):
                 raise TraceFormatError(f"{path} is an HDF5 file but not a torchautopsy trace "
                                        "(no format attribute 'torchautopsy-trace')")
             version = meta.get("schema_version")
-            if not isinstance(version, int):
+            if not isinstance(version, int) or isinstance(version, bool):
                 raise TraceFormatError(f"{path} has no valid schema_version attribute")
             if version > SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"{path} uses trace schema {version}, newer than this torchautopsy reads "
                     f"({SCHEMA_VERSION}); upgrade: pip install -U torchautopsy")
             try:
+                lists = {f"{t}/{c}": f[f"{t}/{c}"].shape[0] if f[f"{t}/{c}"].ndim == 1 else -1
+                         for t, cs in (("params", ("name", "shape", "numel")),
+                                       ("modules", ("name", "type", "is_leaf"))) for c in cs}
+                schema.check_names(path, lists)
                 self.param_names = _strings(f["params/name"])
-                self.param_shapes = [tuple(json.loads(s)) for s in _strings(f["params/shape"])]
-                self.param_numel = np.asarray(f["params/numel"][()], dtype=np.int64)
+                self.param_shapes = [_shape(s) for s in _strings(f["params/shape"])]
+                self.param_numel = np.asarray(schema.numeric(path, "params/numel", f["params/numel"][()]),
+                                              dtype=np.int64)
                 self.module_names = _strings(f["modules/name"])
                 self.module_types = _strings(f["modules/type"])
                 self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)
+                schema.check_step_table(path, f, _PER_STEP_TABLES, {"params": len(self.param_names),
+                                                                    "modules": len(self.module_names)})
                 # A killed writer may have resized some datasets of a table and not yet others:
                 # the steps that are complete are those every per-step dataset holds.
                 self.n_steps = min(f[f"{t}/{c}"].shape[0] for t, cols in _PER_STEP_TABLES.items() for c in cols)
-            except (KeyError, OSError, ValueError, json.JSONDecodeError) as e:
+                schema.check_step_numbers(path, f["steps/step"][:self.n_steps])
+            except (KeyError, OSError, ValueError, TypeError, json.JSONDecodeError) as e:
                 raise TraceFormatError(f"{path} is a torchautopsy trace with missing or damaged "
                                        f"parts ({e}); it cannot be analyzed") from None
-        try:
-            meta["config"] = json.loads(meta.get("config", "{}"))
-        except (TypeError, json.JSONDecodeError):
-            meta["config"] = {}
-        self.meta = meta
-        self.rank = int(meta.get("rank", 0))
+        self.meta = schema.clean_meta(meta)
+        self.rank = self.meta.get("rank", _rank_of(path))
 
     # -- raw reads ----------------------------------------------------------------------------
-    def _read(self, name: str, rows: int | None = None) -> np.ndarray:
+    def _read(self, name: str, rows: int | None = None, text: bool = False) -> np.ndarray:
+        """A dataset (its first ``rows`` rows), read-only; numbers unless ``text``."""
         try:
             with _open(self.path) as f:
                 ds = f[name]
@@ -67,6 +86,8 @@ class RankTrace(MemoryTables, StoredTensors):
         except (KeyError, OSError, ValueError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
         arr = np.asarray(arr)
+        if not text:
+            schema.numeric(self.path, name, arr)
         arr.flags.writeable = False
         return arr
 
@@ -90,7 +111,7 @@ class RankTrace(MemoryTables, StoredTensors):
                     out = _gather(ds, idx)
         except (KeyError, OSError, ValueError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
-        out = np.asarray(out)
+        out = schema.numeric(self.path, name, np.asarray(out))
         out.flags.writeable = False
         return idx, out
 
@@ -104,6 +125,9 @@ class RankTrace(MemoryTables, StoredTensors):
             with _open(self.path) as f:
                 ds = f[name]
                 stop = ds.shape[0] if stop is None else min(stop, ds.shape[0])
+                if ds.dtype.kind not in "iufb" or ds.ndim not in (1, 2):
+                    raise TraceFormatError(f"{self.path}: {name} holds {ds.dtype} {ds.shape}, not a "
+                                           "table of numbers; the trace is damaged")
                 step = block_rows(_width(ds))
                 for a in range(start, stop, step):
                     block = np.asarray(ds[a:min(a + step, stop)])
@@ -207,17 +231,18 @@ class RankTrace(MemoryTables, StoredTensors):
         with _open(self.path) as f:
             return name in f
 
-    def _table(self, table: str, cols: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         """All columns of a table, cut to the rows every column holds (a kill can leave one
-        column a row longer); an absent table (older trace) reads as empty."""
+        column a row longer); an absent table (older trace) reads as empty. Columns not in
+        ``texts`` must hold numbers."""
         if not self._has(table):
             return {c: np.zeros(0) for c in cols}
         n = self._n_rows(table, cols)
-        return {c: self._read(f"{table}/{c}", n) for c in cols}
+        return {c: self._read(f"{table}/{c}", n, text=c in texts) for c in cols}
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
         """A table as a DataFrame, its text columns decoded."""
-        df = pd.DataFrame(self._table(table, cols))
+        df = pd.DataFrame(self._table(table, cols, texts))
         for c in texts:
             df[c] = _texts(df[c])
         return df

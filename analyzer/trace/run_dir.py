@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
-from .format import _RANK_FILE
+from .format import _RANK_FILE, STARTING_SUFFIX
 from .rank import RankTrace
 
 class Trace:
@@ -33,9 +33,24 @@ def trace_files(path: str) -> list[str]:
         return [path]
     files = [os.path.join(path, n) for n in os.listdir(path) if _RANK_FILE.match(n)]
     if not files:
+        started = _died_starting(path)
+        if started:
+            raise TraceNotFoundError(f"{path}: {started[min(started)]}")
         raise TraceNotFoundError(f"{path} holds no rank*.h5 trace files; give the run directory "
                                  "passed to Recorder(model, run_dir)")
     return sorted(files, key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
+
+
+def _died_starting(path: str) -> dict[str, str]:
+    """{file name: reason} for ranks whose job ended before its first flush: the recorder
+    builds rank{N}.h5 as rank{N}.h5.starting and renames it once it is readable."""
+    if not os.path.isdir(path):
+        return {}
+    names = set(os.listdir(path))
+    return {n: f"{n}: the job ended before its first data was flushed (within a moment of "
+               "Recorder()), so this rank recorded nothing"
+            for n in names if n.endswith(STARTING_SUFFIX) and _RANK_FILE.match(n[:-len(STARTING_SUFFIX)])
+            and n[:-len(STARTING_SUFFIX)] not in names}
 
 
 def load(run_dir) -> Trace:
@@ -60,4 +75,5 @@ def load(run_dir) -> Trace:
         ranks[rt.rank] = rt
     if not ranks:
         raise first_error
+    unreadable.update({os.path.join(run_dir, n): why for n, why in _died_starting(run_dir).items()})
     return Trace(run_dir, ranks, unreadable)
