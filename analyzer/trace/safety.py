@@ -30,6 +30,10 @@ MAX_CHUNK_BYTES = 64 * 2**20
 # dataset may declare this much more than its stored bytes account for. It bounds what one read
 # can allocate beyond the data really in the file.
 SLACK_BYTES = 16 * 2**20
+# A repacked trace's compressed datasets expand a few times overall (all-zero columns alone reach
+# zlib's ~1030:1, but they are small beside the float statistics); a compression bomb needs far
+# more. Past this overall ratio the file is refused before anything is decompressed.
+MAX_OVERALL_RATIO = 32
 _VLEN_ITEM = 16  # bytes of a variable-length string's handle as HDF5 stores it
 
 _checked: dict[tuple, None] = {}  # (path, inode, size, mtime) of files that passed
@@ -53,6 +57,7 @@ class _Walk:
         self.path = path
         self.file_size = file_size
         self.objects = 0
+        self.compressed = [0.0, 0, "", 0.0]  # declared bytes, stored bytes, the largest: name, bytes
 
     def refuse(self, name: str, why: str) -> None:
         raise TraceFormatError(f"{self.path}: refused: /{name} {why}; a torchautopsy trace never does "
@@ -69,6 +74,10 @@ class _Walk:
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             raise TraceFormatError(f"{self.path} is truncated or corrupt (its structure cannot be read: "
                                    f"{e}); copy it again from the job's run directory") from None
+        declared, stored, largest, _ = self.compressed
+        if declared > MAX_OVERALL_RATIO * stored + SLACK_BYTES:
+            self.refuse(largest, f"and the other compressed datasets declare {int(declared):,} bytes stored in "
+                                 f"{stored:,} (a compression bomb)")
 
     def visit(self, name: str, obj) -> None:
         self.objects += 1
@@ -94,6 +103,13 @@ class _Walk:
             aid = obj.attrs.get_id(key)
             self.check_type(f"{name}@{key}", aid.dtype)
             self.check_size(f"{name}@{key}", aid.shape, aid.dtype, self.file_size)
+
+    def count_compressed(self, name: str, declared: float, stored: int) -> None:
+        c = self.compressed
+        c[0] += declared
+        c[1] += stored
+        if declared > c[3]:
+            c[2], c[3] = name, declared
 
     def check_type(self, name: str, dtype: np.dtype) -> None:
         if h5py.check_string_dtype(dtype) is not None:
@@ -130,7 +146,10 @@ class _Walk:
             chunk = int(np.prod(ds.chunks, dtype=np.int64)) * max(ds.dtype.itemsize, _VLEN_ITEM)
             if chunk > MAX_CHUNK_BYTES:
                 self.refuse(name, f"declares chunks of {chunk:,} bytes")
-            limit = ratio * ds.id.get_storage_size() + SLACK_BYTES
+            stored = ds.id.get_storage_size()
+            limit = ratio * stored + SLACK_BYTES
+            if ratio > 1:
+                self.count_compressed(name, float(np.prod(ds.shape, dtype=np.float64)) * ds.dtype.itemsize, stored)
         elif layout in (h5d.CONTIGUOUS, h5d.COMPACT):
             limit = self.file_size + SLACK_BYTES
         else:
