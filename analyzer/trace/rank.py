@@ -69,6 +69,7 @@ class RankTrace(MemoryTables, StoredTensors):
                 # A killed writer may have resized some datasets of a table and not yet others:
                 # the steps that are complete are those every per-step dataset holds.
                 self.n_steps = min(f[f"{t}/{c}"].shape[0] for t, cols in _PER_STEP_TABLES.items() for c in cols)
+                schema.check_step_count(path, self.n_steps)
                 schema.check_step_numbers(path, f["steps/step"][:self.n_steps])
             except (KeyError, OSError, ValueError, TypeError, json.JSONDecodeError) as e:
                 raise TraceFormatError(f"{path} is a torchautopsy trace with missing or damaged "

@@ -26,6 +26,9 @@ _TEXT_CUT = 100_000  # characters of a text attribute kept (a model summary can 
 # would make every steps x tensors read of the analyzer wide beyond its memory bound.
 MAX_TENSORS = 200_000
 _CONFIG_KEYS = 500
+# Steps of a rank the analyzer reads: its 1-D per-step series are read whole (8 bytes a step a
+# column); ten times the longest runs measured (benchmarks/analyzer_scale.py: 1M steps).
+MAX_STEPS = 10_000_000
 
 
 def clean_meta(meta: dict) -> dict:
@@ -103,6 +106,12 @@ def check_step_table(path: str, f, tables: dict[str, tuple[str, ...]], widths: d
             if want is None and ds.ndim != 1 or want is not None and ds.shape[1:] != (want,):
                 raise TraceFormatError(f"{path}: {name} has shape {ds.shape}, which does not match its "
                                        f"table; the trace is damaged")
+
+
+def check_step_count(path: str, n: int) -> None:
+    if n > MAX_STEPS:
+        raise TraceFormatError(f"{path} declares {n:,} steps, more than torchautopsy reads ({MAX_STEPS:,}); "
+                               "the trace is damaged or crafted")
 
 
 def check_step_numbers(path: str, steps: np.ndarray) -> None:

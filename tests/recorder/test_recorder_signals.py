@@ -208,3 +208,47 @@ def test_uncaught_exception_fires_the_black_box(tmp_path):
         assert int(f["blackbox/step"][0]) == 3
         roles = [r.decode() for r, src in zip(f["tensors/role"][:], f["tensors/source"][:]) if src == b"blackbox"]
         assert roles.count("param") == 4 and "input" in roles and "rng" in roles
+
+
+STARTING_CHILD = textwrap.dedent("""
+    import sys
+    import torch
+    from torchautopsy import Recorder
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    print("ready", flush=True)
+    Recorder(model, sys.argv[1])
+    print("recording", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_job_killed_while_the_recorder_starts_leaves_a_trace_or_says_so(tmp_path):
+    """Killed at 0-60 ms into Recorder() (it takes ~50 ms): either rank0.h5 is a readable trace,
+    or the analyzer says the job ended before its first flush, never 'truncated or corrupt'."""
+    script = tmp_path / "job.py"
+    script.write_text(STARTING_CHILD)
+    said = set()
+    for i, delay in enumerate([*np.linspace(0.0, 0.06, 7), None]):
+        run_dir = tmp_path / f"run{i}"
+        proc = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        if delay is None:  # last: after Recorder() returned
+            assert proc.stdout.readline().strip() == "recording"
+        else:
+            time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        r = subprocess.run([sys.executable, "-m", "torchautopsy.analyzer.cli", "info", str(run_dir)],
+                           capture_output=True, text=True, timeout=60)
+        if not run_dir.exists() or not os.listdir(run_dir):
+            continue  # killed before the recorder made its directory
+        if (run_dir / "rank0.h5").exists():
+            assert r.returncode == 0, r.stderr
+            said.add("trace")
+        else:
+            assert r.returncode == 2 and "the job ended before its first data was flushed" in r.stderr, r.stderr
+            assert "corrupt" not in r.stderr
+            said.add("ended early")
+    assert "trace" in said
