@@ -16,8 +16,10 @@ import numpy as np
 from .config import AnalysisConfig
 from .config_file import load_config
 from .detectors import DETECTORS
+from .display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
 from .errors import ConfigError, TraceError
 from .findings import SEVERITIES, Finding, first_to_go_wrong
+from .output import check_outputs, write_output
 from .run import analyze as run_detectors
 from .series import spacing
 from .trace import Trace, load
@@ -57,28 +59,20 @@ def _describe_run(trace: Trace) -> str:
     rt0 = next(iter(trace.ranks.values()))
     steps = max(r.n_steps for r in trace.ranks.values())
     n_ranks = len(trace.ranks)
-    return (f"{rt0.meta.get('model_class', '?')} ({rt0.meta.get('n_parameters', 0):,} parameters), "
+    return (f"{shorten(rt0.meta.get('model_class', '?'), TITLE_CHARS)} "
+            f"({rt0.meta.get('n_parameters', 0):,} parameters), "
             f"{n_ranks} rank{'s' if n_ranks != 1 else ''}, {steps:,} steps, "
             f"{rt0.wall_time_s:.1f} s")
 
 
-def _write(path: str, text: str | bytes) -> None:
+def _rank_files(run_dir: str) -> list[str]:
+    """The trace files of the run being read: no output is ever written over one (output.py)."""
+    from .trace import trace_files
+
     try:
-        if isinstance(text, bytes):
-            with open(path, "wb") as f:
-                f.write(text)
-        else:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-    except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _check_writable(*paths: str | None) -> None:
-    """The one-line error _write would give, for a folder that does not exist, given up front."""
-    for path in paths:
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise InputError(f"cannot write {path}: {os.strerror(2)}")
+        return trace_files(run_dir)
+    except (TraceError, OSError):
+        return []  # loading it will say what is wrong
 
 
 # A run with more (step x tensor) cells than this is long: its analysis shows progress even when
@@ -175,7 +169,10 @@ def main(argv=None) -> None:
 def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html):
     """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
     cfg = _load_config(config_path)
-    _check_writable(json_path, html_path, pdf_path, md_path)  # before a long analysis, not after
+    traces = _rank_files(run_dir)
+    # Reports overwrite a file (people re-run into the same report.html), never a trace or a link;
+    # checked before a long analysis, not after.
+    check_outputs((json_path, html_path, pdf_path, md_path), traces, overwrite=True)
     trace = _load(run_dir)
     progress = _Progress(trace)
     try:
@@ -208,9 +205,9 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
 
     if json_path:
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
-        _write(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        write_output(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n", traces, overwrite=True)
         click.echo(f"wrote {json_path}")
-    _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress)
+    _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces)
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
@@ -224,12 +221,12 @@ def _blackbox_lines(trace: Trace) -> None:
     if fired:
         rt, row, rank = fired
         when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
-        click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({row['trigger']}), parameters "
+        click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({shorten(row['trigger'], NAME_CHARS)}), parameters "
                    f"{when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
                    "params.safetensors --tensors blackbox inputs.safetensors")
 
 
-def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress) -> None:
+def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces) -> None:
     """Build the report once, render each format asked for, then write them; open the HTML if asked."""
     if not (html_path or pdf_path or md_path or open_html):
         return
@@ -257,7 +254,7 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
     if md_path:
         outputs.append((md_path, render_markdown(trace, findings)))
     for path, content in outputs:
-        _write(path, content)
+        write_output(path, content, traces, overwrite=True)
         click.echo(f"wrote {path}")
     if open_html:
         import webbrowser
@@ -276,18 +273,27 @@ def _temporary_html(trace: Trace) -> str:
     return path
 
 
+# A finding's summary on the terminal is cut to this many characters.
+SUMMARY_CHARS = 1000
+
+
 def _finding_line(f: Finding) -> str:
-    where = ", ".join(w or "(model)" for w in f.where[:3]) or "-"
+    # Names come from the trace: each cut (the JSON findings hold them whole), and so is the summary.
+    where = ", ".join(shorten(w or "(model)") for w in f.where[:3]) or "-"
     step = f"step {f.step:,}" if f.step is not None else "-"
     rank = f"rank {f.rank}" if f.rank is not None else ""
     head = f"  {f.severity.upper():8} {f.kind:22} {rank:7} {step:12} {where}"
-    return f"{head}\n      {f.summary}"
+    return f"{head}\n      {shorten_words(f.summary, NAME_CHARS, SUMMARY_CHARS)}"
 
 
 def _spacing(steps) -> str:
     """' (every N)' or ' (every N-M)' steps between samples, or ''."""
     every = spacing(steps)
     return f" (every {every})" if every else ""
+
+
+# A line of ``info`` that holds text from the trace is cut to this many characters.
+INFO_TEXT_CHARS = 600
 
 
 @cli.command()
@@ -306,11 +312,15 @@ def info(run_dir):
         except TraceError:
             act = upd = np.zeros(0, np.int64)
         state = "closed cleanly" if rt.closed_cleanly else "not closed (job killed or still running)"
-        click.echo(f"\nrank {rt.rank} of {m.get('world_size', 1)}   {os.path.basename(rt.path)}, "
+        # Every string of the trace's metadata is cut for the terminal (a trace may hold anything).
+        click.echo(f"\nrank {rt.rank} of {shorten(m.get('world_size', 1))}   {os.path.basename(rt.path)}, "
                    f"{_human_bytes(rt.size_bytes)}, {state}"
-                   + (f", end: {m['end_reason']}" if m.get("end_reason") else ""))
-        click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from {m.get('start_time', '?')}")
-        click.echo(f"  model        {m.get('model_class', '?')}, {m.get('n_parameters', 0):,} parameters")
+                   + (f", end: {shorten_words(m['end_reason'], NAME_CHARS, INFO_TEXT_CHARS)}"
+                      if m.get("end_reason") else ""))
+        click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from "
+                   f"{shorten(m.get('start_time', '?'))}")
+        click.echo(f"  model        {shorten(m.get('model_class', '?'), TITLE_CHARS)}, "
+                   f"{m.get('n_parameters', 0):,} parameters")
         click.echo(f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
                    f"outputs every step; activation statistics at {len(act)} steps{_spacing(act)}; "
                    f"update ratios at {len(upd)} steps{_spacing(upd)}")
@@ -327,23 +337,24 @@ def info(run_dir):
         ooms = rt.oom_events
         if len(ooms):
             click.echo(f"  out of memory  {len(ooms)} event(s), first at step {int(ooms['step'].iloc[0]):,} "
-                       f"on {ooms['device'].iloc[0]}")
+                       f"on {shorten(ooms['device'].iloc[0])}")
         try:
             from .export import describe_stored
 
             for what, _, detail in describe_stored(rt):
                 label = {"Parameter snapshots": "snapshots", "Sampled activations and gradients": "samples",
                          "Black box": "black box"}.get(what, "histograms")
-                click.echo(f"  {label:12} {detail}")
+                click.echo(f"  {label:12} {shorten_words(detail, NAME_CHARS, INFO_TEXT_CHARS)}")
         except TraceError as e:
-            click.echo(f"  tensors      unreadable ({e})")
+            click.echo(f"  tensors      unreadable ({shorten_words(e, width=INFO_TEXT_CHARS)})")
         if m.get("dropped_steps"):
-            click.echo(f"  dropped      {m['dropped_steps']} steps (the writer fell behind)")
-        click.echo(f"  host         {m.get('host', '?')}, device {m.get('device', '?')}")
-        click.echo(f"  versions     trace schema {m.get('schema_version')}, {m.get('created_by', '?')}, "
-                   f"torch {m.get('torch_version', '?')}, python {m.get('python_version', '?')}")
+            click.echo(f"  dropped      {shorten(m['dropped_steps'])} steps (the writer fell behind)")
+        click.echo(f"  host         {shorten(m.get('host', '?'))}, device {shorten(m.get('device', '?'))}")
+        click.echo(f"  versions     trace schema {shorten(m.get('schema_version'))}, "
+                   f"{shorten(m.get('created_by', '?'))}, torch {shorten(m.get('torch_version', '?'))}, "
+                   f"python {shorten(m.get('python_version', '?'))}")
     for path, reason in trace.unreadable.items():
-        click.echo(f"\nunreadable     {reason}")
+        click.echo(f"\nunreadable     {shorten_words(reason, width=INFO_TEXT_CHARS)}")
 
 
 @cli.command()
@@ -364,19 +375,21 @@ def info(run_dir):
               help="Write sampled activations and gradients (WHICH: a step number or 'last') or the black box's "
                    "inputs, gradients, optimizer state and RNG states ('blackbox') as safetensors.")
 @click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
-def export(run_dir, profile_path, window, snapshot_path, which, params, tensors, rank):
+@click.option("--force", is_flag=True, help="Overwrite output files that exist (never a trace).")
+def export(run_dir, profile_path, window, snapshot_path, which, params, tensors, rank, force):
     """Export data recorded in RUN_DIR in the formats other tools read."""
     if not (profile_path or snapshot_path or params or tensors):
         raise click.UsageError("nothing to export: give --profile OUT.json, --memory-snapshot OUT.pickle, "
                                "--params WHICH OUT.safetensors or --tensors WHICH OUT.safetensors")
-    from .export import ExportError, parse_which, safetensors_bytes, select_params, select_tensors
+    from .export import ExportError, parse_which, profile_chunks, safetensors_chunks, select_params, select_tensors
 
     asked = [(select_params, "parameters", params), (select_tensors, "tensors", tensors)]
     try:
         asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
     except ExportError as e:
         raise InputError(str(e)) from None
-    _check_writable(profile_path, snapshot_path, *(out for *_, out in asked))
+    traces = _rank_files(run_dir)
+    check_outputs((profile_path, snapshot_path, *(out for *_, out in asked)), traces, overwrite=force)
     trace = _load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
@@ -393,34 +406,32 @@ def export(run_dir, profile_path, window, snapshot_path, which, params, tensors,
             if not sel.tensors:
                 raise InputError(f"{rt.path}: {sel.description} holds no tensor that safetensors can store")
             skipped = f"; skipped (no safetensors dtype): {', '.join(sel.skipped[:5])}" if sel.skipped else ""
-            outputs.append((out, safetensors_bytes(sel), f"{sel.description}, rank {rank} "
+            outputs.append((out, safetensors_chunks(sel), f"{sel.description}, rank {rank} "
                             f"({len(sel.tensors)} tensors){skipped}"))
         if profile_path:
-            data = rt.profile_trace(window)
+            data = profile_chunks(rt, window)  # unpacked while it is written
             w = rt.profile_windows
             row = w[w["window"] == window].iloc[0]
             outputs.append((profile_path, data, f"profiler window {window} of rank {rank}, steps "
                             f"{int(row['step_start'])}-{int(row['step_end'])}"))
         if snapshot_path:
             outputs.append(_memory_snapshot(rt, which, rank, snapshot_path))
+        for path, data, what in outputs:
+            n = write_output(path, data, traces, overwrite=force)
+            click.echo(f"wrote {path}: {what} ({_human_bytes(n)})")
     except TraceError as e:
         raise InputError(str(e)) from None
-    for path, data, what in outputs:
-        _write(path, data)
-        click.echo(f"wrote {path}: {what} ({_human_bytes(len(data))})")
 
 
 def _memory_snapshot(rt, which, rank, path):
     """(path, pickle bytes, description) of one CUDA memory snapshot, rebuilt from its rows.
-    Pickle is the viewer's format: written for the user, never read by torchautopsy."""
-    import pickle
-
-    from .memory_snapshot import pick_snapshot, snapshot_dict
+    Pickle is the viewer's format: written for the user from plain types only, never read by torchautopsy."""
+    from .memory_snapshot import pick_snapshot, snapshot_pickle
 
     n = pick_snapshot(rt, which)
-    snap = snapshot_dict(rt, n)
+    data = snapshot_pickle(rt, n)
     row = rt.memory_snapshots[rt.memory_snapshots["snapshot"] == n].iloc[0]
-    return (path, pickle.dumps(snap),
+    return (path, data,
             f"CUDA memory snapshot {n} of rank {rank} ({row['reason']}, step {int(row['step']):,})")
 
 

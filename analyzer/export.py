@@ -10,14 +10,14 @@ file's keys are those of ``model.state_dict()``.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from .errors import TraceFormatError
 from .series import spacing
 from .trace import RankTrace
+from .trace.profile_blob import profile_chunks
 
 # torch dtype name (as the trace spells it) -> safetensors dtype
 SAFETENSORS_DTYPES = {
@@ -80,7 +80,8 @@ def _select(rt: RankTrace, rows, source: str, step: int, description: str, metad
     for (name, dtype, shape, nbytes), raw in zip(
             zip(rows["name"], rows["dtype"], rows["shape"], rows["nbytes"]), data):
         st = SAFETENSORS_DTYPES.get(dtype)
-        if st is None or int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[st] != len(raw):
+        # Python ints: a numpy product of a crafted shape could wrap around to len(raw).
+        if st is None or any(d < 0 for d in shape) or math.prod(shape) * _ITEMSIZE[st] != len(raw):
             skipped.append(f"{name} ({dtype})")
             continue
         tensors[name] = (st, tuple(shape), raw)
@@ -141,6 +142,12 @@ def select_tensors(rt: RankTrace, which: int | str) -> Selection:
 
 def safetensors_bytes(sel: Selection) -> bytes:
     """The safetensors file of a selection."""
+    return b"".join(safetensors_chunks(sel))
+
+
+def safetensors_chunks(sel: Selection) -> list[bytes]:
+    """The safetensors file of a selection, as its header and the tensors' bytes (written one
+    after the other, so the tensors are not copied once more into one buffer)."""
     header: dict = {"__metadata__": {str(k): str(v) for k, v in sel.metadata.items()}}
     offset = 0
     for name, (dtype, shape, raw) in sel.tensors.items():
@@ -148,11 +155,11 @@ def safetensors_bytes(sel: Selection) -> bytes:
         offset += len(raw)
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(text)) + text + b"".join(raw for _, _, raw in sel.tensors.values())
+    return [struct.pack("<Q", len(text)) + text, *(raw for _, _, raw in sel.tensors.values())]
 
 
 __all__ = ["ExportError", "Selection", "parse_which", "select_params", "select_tensors", "safetensors_bytes",
-           "TraceFormatError"]
+           "safetensors_chunks", "profile_chunks", "TraceFormatError"]
 
 
 def _size(n: int) -> str:

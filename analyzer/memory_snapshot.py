@@ -9,12 +9,13 @@ returned (the keys it had, plain Python ints, strings, lists and dicts), which
 
 from __future__ import annotations
 
-import json
+import pickle
 
 import numpy as np
 
 from .errors import TraceFormatError
 from .trace import RankTrace
+from .trace.format import parse_json
 
 # The optional keys of each entity, in the order of the bits of its `keys` column (the recorder's
 # cuda_memory.py defines the same tuples; the trace format documents them).
@@ -25,29 +26,46 @@ BLOCK_KEYS = ("address", "size", "requested_size", "state", "frames")
 TRACE_KEYS = ("action", "addr", "device_free", "size", "stream", "time_us", "frames",
               "compile_context", "user_metadata")
 FRAME_KEYS = ("filename", "line", "name")
+# torch's device index (c10::DeviceIndex) is an int8: a process sees at most 128 devices. A
+# snapshot claiming more device histories is damaged; the bound keeps a count like 2**40 from
+# allocating lists without end (an empty history costs nothing in the file, so the file's size
+# cannot bound it).
+MAX_DEVICES = 1024
+# Deeper than any snapshot torch writes (about 5 levels); JSON kept by the recorder could nest more.
+MAX_DEPTH = 64
 
 
 def _has(mask: int, keys: tuple[str, ...]) -> list[str]:
     return [k for i, k in enumerate(keys) if mask >> i & 1]
 
 
+def _json(text: str):
+    """A JSON text from the trace, or None where it is not valid JSON, holds an integer past
+    Python's 4,300-digit limit (a ValueError that is no JSONDecodeError) or nests too deep."""
+    return parse_json(text)
+
+
 def _with_extra(d: dict, extra: str) -> dict:
-    """Add the keys the recorder kept as JSON (ones it has no column for)."""
+    """Add the keys the recorder kept as JSON (ones it has no column for); unreadable JSON is skipped."""
     if extra:
-        try:
-            other = json.loads(extra)
-        except json.JSONDecodeError:
-            return d
+        other = _json(extra)
         if isinstance(other, dict):
             d.update(other)
     return d
 
 
-def _frames(rt: RankTrace, stack: int) -> list[dict]:
+def _frames(rt: RankTrace, stack: int, cache: dict | None = None) -> list[dict]:
+    """The frames of a stack as the snapshot had them. With ``cache``, each stack's list is built
+    once and shared by every entry that has it (equal to torch's per-entry copies, and pickled
+    once): a history of 10**6 entries on one deep stack stays small."""
+    if cache is not None and stack in cache:
+        return cache[stack]
     out = []
     for fr in rt.memory_stack(int(stack)) or []:
         d = {k: (int(fr[k]) if k == "line" else fr[k]) for k in _has(fr["keys"], FRAME_KEYS)}
         out.append(_with_extra(d, fr.get("extra", "")))
+    if cache is not None:
+        cache[stack] = out
     return out
 
 
@@ -88,12 +106,18 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
     if row.empty:
         raise TraceFormatError(f"{rt.path} has no memory snapshot {snapshot}")
     row = row.iloc[0]
+    n_devices = int(row["n_device_traces"])
+    if not 0 <= n_devices <= MAX_DEVICES:
+        raise TraceFormatError(f"{rt.path}: memory snapshot {snapshot} claims {n_devices:,} device histories "
+                               f"(a process sees at most {MAX_DEVICES:,} devices); the trace is damaged")
     t = rt.memory_snapshot_rows(snapshot)
+    stacks: dict[int, list[dict]] = {}
     blocks_by_seg: dict[int, list[dict]] = {}
     for b in t["blocks"].itertuples(index=False):
         d = {}
         for k in _has(int(b.keys), BLOCK_KEYS):
-            d[k] = _frames(rt, b.stack) if k == "frames" else (str(b.state) if k == "state" else int(getattr(b, k)))
+            d[k] = (_frames(rt, int(b.stack), stacks) if k == "frames"
+                    else str(b.state) if k == "state" else int(getattr(b, k)))
         blocks_by_seg.setdefault(int(b.segment), []).append(_with_extra(d, b.extra))
     segments = []
     for i, s in enumerate(t["segments"].itertuples(index=False)):
@@ -106,7 +130,7 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
             elif k == "segment_type":
                 d[k] = str(s.segment_type)
             elif k == "frames":
-                d[k] = _frames(rt, s.stack)
+                d[k] = _frames(rt, int(s.stack), stacks)
             elif k == "blocks":
                 d[k] = blocks_by_seg.get(i, [])
             else:
@@ -115,12 +139,12 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
     out: dict = {"segments": segments}
     mask = int(row["keys"])
     if mask & 1:
-        traces: list[list[dict]] = [[] for _ in range(int(row["n_device_traces"]))]
+        traces: list[list[dict]] = [[] for _ in range(n_devices)]
         for e in t["trace"].itertuples(index=False):
             d = {}
             for k in _has(int(e.keys), TRACE_KEYS):
                 if k == "frames":
-                    d[k] = _frames(rt, e.stack)
+                    d[k] = _frames(rt, int(e.stack), stacks)
                 elif k in ("action", "compile_context", "user_metadata"):
                     d[k] = str(getattr(e, k))
                 else:
@@ -129,11 +153,63 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
                 traces[int(e.device)].append(_with_extra(d, e.extra))
         out["device_traces"] = traces
     if mask & 2:
-        try:
-            out["allocator_settings"] = json.loads(row["allocator_settings"]) if row["allocator_settings"] else {}
-        except json.JSONDecodeError:
-            out["allocator_settings"] = {}
+        settings = _json(row["allocator_settings"]) if row["allocator_settings"] else {}
+        out["allocator_settings"] = settings if settings is not None else {}
     return _with_extra(out, row["extra"])
+
+
+def plain(obj, depth: int = 0, memo: dict | None = None):
+    """``obj`` rebuilt from plain types only: str, int, float, bool, None, list, dict, and tuple
+    (torch's own snapshot has tuples; like lists they pickle without naming any class). numpy
+    scalars and arrays become Python numbers and lists, bytes become str; anything else, or
+    nesting deeper than MAX_DEPTH, raises TypeError. Pickling the result can make ``pickle.load``
+    create nothing but these types, whatever the trace held. Shared lists and dicts stay shared."""
+    t = type(obj)
+    if obj is None or t in (str, int, float, bool):
+        return obj
+    if isinstance(obj, np.generic):  # np.float64 and np.str_ subclass float and str: test first
+        return plain(obj.item(), depth, memo)
+    if isinstance(obj, (bytes, bytearray)):
+        return bytes(obj).decode("utf-8", "replace")
+    for base in (str, int, float):  # subclasses (IntEnum, ...) pickle by their class's name
+        if isinstance(obj, base) and type(base(obj)) is base:
+            return base(obj)
+    if depth >= MAX_DEPTH:
+        raise TypeError(f"a memory snapshot nested deeper than {MAX_DEPTH} levels")
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, np.ndarray):
+        return plain(obj.tolist(), depth, memo)
+    if isinstance(obj, dict):
+        out: dict = {}
+        memo[id(obj)] = out
+        for k, v in obj.items():
+            key = plain(k, depth + 1, memo)
+            if type(key) not in (str, int, float, bool) and key is not None:
+                raise TypeError(f"a memory snapshot key of type {type(k).__name__}")
+            out[key] = plain(v, depth + 1, memo)
+        return out
+    if isinstance(obj, list):
+        new: list = []
+        memo[id(obj)] = new
+        new.extend(plain(v, depth + 1, memo) for v in obj)
+        return new
+    if isinstance(obj, tuple):
+        memo[id(obj)] = result = tuple(plain(v, depth + 1, memo) for v in obj)
+        return result
+    raise TypeError(f"a memory snapshot holds a {t.__name__}, which is not a plain type")
+
+
+def snapshot_pickle(rt: RankTrace, snapshot: int) -> bytes:
+    """The pickle ``torch.cuda.memory._dump_snapshot()`` would have written, built from plain
+    types only (``plain``), for https://pytorch.org/memory_viz. Never read by torchautopsy."""
+    try:
+        return pickle.dumps(plain(snapshot_dict(rt, snapshot)))
+    except (TypeError, ValueError, OverflowError) as e:  # a damaged value (a count of the wrong type, ...)
+        why = " ".join(str(e).split())[:200]
+        raise TraceFormatError(f"{rt.path}: memory snapshot {snapshot} cannot be rebuilt ({why}); "
+                               "the trace is damaged") from None
 
 
 # -- what held the memory ------------------------------------------------------------------------

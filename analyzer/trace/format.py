@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -94,14 +95,28 @@ def clean_text(text: str, lines: bool = True) -> str:
     return pattern.sub(_escape, text) if pattern.search(text) else text
 
 
+_NOT_JSON = object()
+
+
+def parse_json(text, default=None):
+    """A JSON text from a trace, or ``default`` where it is not valid JSON, holds an integer past
+    Python's 4,300-digit limit (a ValueError that is no JSONDecodeError) or nests too deep."""
+    if not isinstance(text, str):
+        return default
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return default
+
+
 def _decode(v, lines: bool = True) -> str:
     text = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
     return clean_text(text, lines)
 
 
-def _attr(v):
+def _attr(v, lines: bool = False):
     if isinstance(v, (bytes, str)):
-        return _decode(v, lines=False)
+        return _decode(v, lines)
     if isinstance(v, np.generic):
         return v.item()
     return v

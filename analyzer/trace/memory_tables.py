@@ -8,6 +8,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from ..errors import TraceFormatError
 from .format import _texts
 
 
@@ -60,9 +61,16 @@ class MemoryTables:
         frames = [{"filename": a, "line": int(b), "name": c, "keys": int(k), "extra": x}
                   for a, b, c, k, x in zip(f["filename"], f["line"], f["name"], f["keys"], f["extra"])]
         st = self._table("memory_stacks", ("first", "length"))
-        sf = self._table("memory_stack_frames", ("frame",))
-        return frames, np.asarray(st["first"], dtype=np.int64), np.asarray(st["length"], dtype=np.int64), \
-            np.asarray(sf["frame"], dtype=np.int64)
+        sf = np.asarray(self._table("memory_stack_frames", ("frame",))["frame"], dtype=np.int64)
+        first, length = np.asarray(st["first"], dtype=np.int64), np.asarray(st["length"], dtype=np.int64)
+        # Each stack is its own run of memory_stack_frames: together they hold at most its rows
+        # (fewer where a kill cut the table). Overlapping runs would let a small file expand into
+        # a huge snapshot (every entry naming a stack of a million frames): refused.
+        lo, hi = np.clip(first, 0, len(sf)), np.clip(first + np.maximum(length, 0), 0, len(sf))
+        if (first < 0).any() or (length < 0).any() or int(np.maximum(hi - lo, 0).sum()) > len(sf):
+            raise TraceFormatError(f"{self.path}: memory_stacks point outside memory_stack_frames or "
+                                   "overlap; the trace is damaged")
+        return frames, first, length, sf
 
     def memory_stack(self, stack: int) -> list[dict] | None:
         """The frames of a stack (dicts with filename, line, name, and ``keys``: which of those

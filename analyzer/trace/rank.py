@@ -3,7 +3,6 @@ windows and sites, and the per-step digest."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from functools import cached_property
@@ -15,14 +14,14 @@ from ..errors import SchemaVersionError, TraceFormatError
 from . import schema
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
-                     _PER_STEP_TABLES, _RANK_FILE, _attr, _open, _strings, _texts)
+                     _PER_STEP_TABLES, _RANK_FILE, parse_json, _attr, _open, _strings, _texts)
 from .memory_tables import MemoryTables
 from .stored_tensors import StoredTensors
 from .streaming import _WINDOWS_PER_READ, StepDigest, _gather, _row_selection, _width, block_rows
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    shape = json.loads(text)
+    shape = parse_json(text)
     if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**53 for d in shape):
         raise ValueError(f"a parameter shape reads {text[:40]!r}")
     return tuple(shape)
@@ -41,7 +40,7 @@ class RankTrace(MemoryTables, StoredTensors):
         self.path = path
         self.size_bytes = os.path.getsize(path)
         with _open(path) as f:
-            meta = {k: _attr(v) for k, v in f.attrs.items()}
+            meta = {k: _attr(v, lines=k == "model_summary") for k, v in f.attrs.items()}
             if meta.get("format") != FORMAT_NAME:
                 raise TraceFormatError(f"{path} is an HDF5 file but not a torchautopsy trace "
                                        "(no format attribute 'torchautopsy-trace')")
@@ -272,8 +271,7 @@ class RankTrace(MemoryTables, StoredTensors):
         cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
         watched_col = self._has("activity/steps_watched")
         n = self._n_rows("activity", cols + (("steps_watched",) if watched_col else ()))
-        n_bits = int((self.activity_sites["bit_offset"] + self.activity_sites["units"]).max()) \
-            if len(self.activity_sites) else 0
+        n_bits = self._site_extent(self.activity_sites, "bit_offset", "units", "activity/ever_positive", 8)
         # A block of windows at a time: a long run has tens of thousands of windows.
         for start in range(0, n, _WINDOWS_PER_READ):
             stop = min(n, start + _WINDOWS_PER_READ)
@@ -285,6 +283,31 @@ class RankTrace(MemoryTables, StoredTensors):
                 bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
                 yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
                        bits[:n_bits].astype(bool), t["saturated_frac"][i], int(watched[i]))
+
+    # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
+    # its width by this much, no more.
+    _SITE_MARGIN = 1 << 16
+
+    def _site_extent(self, sites: pd.DataFrame, offset: str, count: str, table: str, per_column: int) -> int:
+        """The columns (or bits) the sites of a table span, checked against the table's width so
+        that a damaged offset or count cannot make a reader allocate what it says."""
+        if not len(sites):
+            return 0
+        off = np.asarray(sites[offset], dtype=np.int64)
+        cnt = np.asarray(sites[count], dtype=np.int64)
+        extent = int((off + cnt).max()) if off.min() >= 0 and cnt.min() >= 0 else -1
+        width = self._width_of(table) * per_column
+        if extent < 0 or extent > width + self._SITE_MARGIN:
+            raise TraceFormatError(f"{self.path}: the {table.split('/')[0]} sites' {offset} and {count} do not fit "
+                                   f"{table} ({width:,} wide); the trace is damaged")
+        return extent
+
+    def _width_of(self, name: str) -> int:
+        try:
+            with _open(self.path) as f:
+                return int(f[name].shape[1]) if name in f and f[name].ndim == 2 else 0
+        except (KeyError, OSError) as e:
+            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
 
     @cached_property
     def attention_sites(self) -> pd.DataFrame:
@@ -300,6 +323,8 @@ class RankTrace(MemoryTables, StoredTensors):
             raise ValueError(f"unknown attention statistic {stat!r}")
         t = self._table("attention", ("step", stat))
         sites = self.attention_sites
+        if stat in per_head:
+            self._site_extent(sites, "head_offset", "heads", f"attention/{stat}", 1)
         if stat in per_head:
             cols = [f"{m}/h{h}" for m, n in zip(sites["module"], sites["heads"]) for h in range(int(n))]
         else:
@@ -341,21 +366,11 @@ class RankTrace(MemoryTables, StoredTensors):
         return df.sort_values(["window", "cpu_self_us"], ascending=[True, False]).reset_index(drop=True)
 
     def profile_trace(self, window: int) -> bytes:
-        """The Chrome trace (JSON bytes, as torch.profiler exported it) of one window."""
-        w = self.profile_windows
-        row = w[w["window"] == window]
-        if row.empty:
-            known = ", ".join(str(int(x)) for x in w["window"]) or "none"
-            raise TraceFormatError(f"{self.path} has no profiler window {window} (windows: {known})")
-        off, n = int(row["trace_offset"].iloc[0]), int(row["trace_nbytes"].iloc[0])
-        try:
-            with _open(self.path) as f:
-                data = f["blobs/bytes"][off:off + n].tobytes()
-            if len(data) != n:
-                raise ValueError(f"{len(data)} of {n} bytes present")
-            return gzip.decompress(data)
-        except (KeyError, OSError, ValueError, EOFError) as e:
-            raise TraceFormatError(f"{self.path}: profiler window {window} cannot be read ({e})") from None
+        """The Chrome trace (JSON bytes, as torch.profiler exported it) of one window; bounded
+        (profile_blob.py): a window that unpacks past 100x its size raises TraceFormatError."""
+        from .profile_blob import profile_chunks
+
+        return b"".join(profile_chunks(self, window))
 
     @cached_property
     def digest(self) -> StepDigest:

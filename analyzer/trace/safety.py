@@ -129,6 +129,8 @@ class _Walk:
 
     def check_dataset(self, name: str, ds: h5py.Dataset) -> None:
         self.check_type(name, ds.dtype)
+        if ds.ndim not in (1, 2):  # the recorder writes columns and steps x tensors tables only
+            self.refuse(name, f"has {ds.ndim} dimensions (a trace's datasets have 1 or 2)")
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()
         if layout == h5d.VIRTUAL:

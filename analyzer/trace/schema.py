@@ -6,13 +6,12 @@ than deep inside a detector or a report.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 
 from ..errors import TraceFormatError
-from .format import clean_text
+from .format import clean_text, parse_json
 
 # Root attributes the analyzer reads, by type; one of another type (a string where the rank
 # goes) is dropped, and reads as unknown.
@@ -60,10 +59,7 @@ def _config(text) -> dict:
     """The recorder's settings (a JSON object of plain values); anything else reads as {}."""
     if not isinstance(text, str) or len(text) > 1_000_000:
         return {}
-    try:
-        cfg = json.loads(text)  # ValueError too: an integer of over 4,300 digits
-    except (ValueError, RecursionError):
-        return {}
+    cfg = parse_json(text)
     if not isinstance(cfg, dict):
         return {}
     out = {}

@@ -3,7 +3,6 @@ gradients, the black box) and of the fixed-bin histograms."""
 
 from __future__ import annotations
 
-import json
 import zlib
 from functools import cached_property
 
@@ -11,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TraceFormatError
-from .format import HIST_KINDS, _open
+from .format import HIST_KINDS, _open, parse_json
 
 
 class StoredTensors:
@@ -28,11 +27,10 @@ class StoredTensors:
         df = self._texts_table("tensors", cols, ("source", "name", "role", "dtype", "shape", "location"))
         shapes = []
         for text in df["shape"]:
-            try:
-                shape = tuple(int(v) for v in json.loads(text))
-            except (TypeError, ValueError, json.JSONDecodeError):
-                raise TraceFormatError(f"{self.path}: a stored tensor has a bad shape {text[:40]!r}") from None
-            shapes.append(shape)
+            shape = parse_json(text)
+            if not isinstance(shape, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
+                raise TraceFormatError(f"{self.path}: a stored tensor has a bad shape {text[:40]!r}")
+            shapes.append(tuple(shape))
         df["shape"] = shapes
         return df
 
@@ -59,10 +57,7 @@ class StoredTensors:
                                ("trigger", "params_at", "detail"))
         details = []
         for text in df["detail"]:
-            try:
-                d = json.loads(text)
-            except (TypeError, json.JSONDecodeError):
-                d = {}
+            d = parse_json(text, {})
             details.append(d if isinstance(d, dict) else {})
         df["detail"] = details
         return df
@@ -86,24 +81,43 @@ class StoredTensors:
         out = []
         try:
             with _open(self.path) as f:
+                spans = [(loc, int(off), int(n))
+                         for loc, off, n in zip(rows["location"], rows["offset"], rows["nbytes"])]
                 if verify_snapshot is not None:
                     snap = self.snapshots[self.snapshots["step"] == verify_snapshot].iloc[-1]
                     lo, n = int(snap["offset"]), int(snap["nbytes"])
+                    self._check_spans(f, [("snapshots", lo, n)])
                     slot = f["snapshots/bytes"][lo:lo + n].tobytes()
                     if len(slot) != n or (zlib.crc32(slot) & 0xFFFFFFFF) != (int(snap["crc32"]) & 0xFFFFFFFF):
                         raise TraceFormatError(
                             f"{self.path}: the snapshot of step {verify_snapshot} is incomplete (the job was "
                             "killed while its slot was being rewritten)")
-                for loc, off, n in zip(rows["location"], rows["offset"], rows["nbytes"]):
+                self._check_spans(f, spans)
+                for loc, off, n in spans:
                     ds = f["snapshots/bytes" if loc == "snapshots" else "blobs/bytes"]
-                    data = ds[int(off):int(off) + int(n)].tobytes()
-                    if len(data) != int(n):
-                        raise TraceFormatError(f"{self.path}: a stored tensor is cut short "
-                                               f"({len(data)} of {int(n)} bytes present)")
-                    out.append(data)
-        except (KeyError, OSError, ValueError) as e:
+                    out.append(ds[off:off + n].tobytes())
+        except (KeyError, OSError, ValueError, OverflowError) as e:
             raise TraceFormatError(f"{self.path}: stored tensors cannot be read ({e})") from None
         return out
+
+    def _check_spans(self, f, spans) -> None:
+        """Before anything is read: every (location, offset, nbytes) lies inside its dataset, and
+        the spans of one location add up to no more than it holds (the recorder never stores two
+        tensors in the same bytes; overlapping rows could make a small file ask for terabytes)."""
+        total: dict[str, int] = {}
+        for loc, off, n in spans:
+            name = "snapshots/bytes" if loc == "snapshots" else "blobs/bytes"
+            size = f[name].shape[0]
+            if off < 0 or n < 0:
+                raise TraceFormatError(f"{self.path}: a stored tensor has a bad place in {name} "
+                                       f"(offset {off:,}, {n:,} bytes); the trace is damaged")
+            if off + n > size:
+                raise TraceFormatError(f"{self.path}: a stored tensor lies past the end of {name}, cut short "
+                                       f"({max(0, size - off):,} of {n:,} bytes present)")
+            total[name] = total.get(name, 0) + n
+            if total[name] > size:
+                raise TraceFormatError(f"{self.path}: the stored tensors asked for add up to more bytes than "
+                                       f"{name} holds ({size:,}); the trace is damaged")
 
     @cached_property
     def histogram_bins(self) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +149,11 @@ class StoredTensors:
                 data = f[f"histograms/{kind}"][rows.tolist()] if rows.size else np.zeros((0, len(names) * lower.size))
         except (KeyError, OSError, ValueError) as e:
             raise TraceFormatError(f"{self.path}: cannot read histograms/{kind} ({e})") from None
-        counts = np.asarray(data).reshape(len(rows), len(names), lower.size)
+        data = np.asarray(data)
+        if data.ndim != 2 or data.shape[1] != len(names) * lower.size:
+            raise TraceFormatError(f"{self.path}: histograms/{kind} is {data.shape[1:]} wide, not {len(names):,} "
+                                   f"tensors x {lower.size} bins; the trace is damaged")
+        counts = data.reshape(len(rows), len(names), lower.size)
         return steps[rows], names, counts
 
     @cached_property

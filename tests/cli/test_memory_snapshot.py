@@ -164,7 +164,7 @@ def test_export_gives_back_the_snapshot_and_torch_memory_viz_reads_it(tmp_path, 
         assert "cudaMalloc" in text and "raise OutOfMemoryError # 200.0MiB requested, 3.0MiB free" in text
     assert "CUDA memory  2 allocator snapshot(s) at steps 0, 1" in run_cli("info", tmp_path / "run").stdout
     # the default export is the snapshot taken when memory ran out
-    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out)
+    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out, "--force")
     assert r.returncode == 0 and "(oom, step 1" in r.stdout, r.stdout + r.stderr
 
 

@@ -149,7 +149,7 @@ def test_snapshots_export_and_load(nan_run, tmp_path):
     model = Net()
     model.load_state_dict(state, strict=True)
     assert state["bn.num_batches_tracked"].item() == 4
-    r = run_cli("export", run_dir, "--params", "last", out)
+    r = run_cli("export", run_dir, "--params", "last", out, "--force")
     assert r.returncode == 0 and "step 12" in r.stdout, r.stdout + r.stderr
     assert not torch.isfinite(load_file(out)["fc1.weight"]).all()  # the run ended NaN
 
@@ -255,7 +255,7 @@ def test_disk_budget_honoured_on_a_long_run(tmp_path):
     out = tmp_path / "first.safetensors"
     assert run_cli("export", tmp_path / "run", "--params", "0", out).returncode == 0
     assert load_file(out).keys() == model.state_dict().keys()
-    r = run_cli("export", tmp_path / "run", "--params", "100", out)
+    r = run_cli("export", tmp_path / "run", "--params", "100", out, "--force")
     assert r.returncode == 2 and "no snapshot of step 100" in r.stderr and "270" in r.stderr
 
 
@@ -272,7 +272,7 @@ def test_half_precision_and_bfloat16_snapshots(tmp_path):
     model = nn.Linear(4, 4)
     with Recorder(model, tmp_path / "half", snapshot_dtype="float16"):
         pass
-    assert run_cli("export", tmp_path / "half", "--params", "last", out).returncode == 0
+    assert run_cli("export", tmp_path / "half", "--params", "last", out, "--force").returncode == 0
     assert load_file(out)["weight"].dtype == torch.float16
     assert torch.equal(load_file(out)["weight"], model.weight.detach().half())
 

@@ -1,0 +1,43 @@
+"""Names and texts from a trace, cut to a size a terminal line, a table cell or a page can hold.
+
+A trace is untrusted: a module name or model class may be 100,000 characters long. Every output
+(the CLI's lines, the HTML, the PDF, the Markdown) shows such strings through these functions;
+the JSON findings keep names exactly as the trace spells them. Plain text in, plain text out:
+each renderer still escapes the result for its own format.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A name on a terminal line or in a Markdown cell; the model class, a title.
+NAME_CHARS = 100
+TITLE_CHARS = 160
+# A name in a report's table or page: long real names (deep module paths) still show whole.
+REPORT_NAME_CHARS = 200
+# Running text (a summary, a caption): its longest unbroken run of characters, and its length.
+WORD_CHARS = REPORT_NAME_CHARS
+TEXT_CHARS = 2000
+
+ELLIPSIS = "…"
+
+
+def shorten(text, width: int = NAME_CHARS) -> str:
+    """``text`` cut in the middle to ``width`` characters: module paths keep their start and
+    their end (``model.layers.31.…mlp.down_proj``), where they differ most."""
+    text = str(text)
+    if len(text) <= width:
+        return text
+    width = max(width, 3)
+    head = (width - 1) // 2
+    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
+
+
+def shorten_words(text, word: int = WORD_CHARS, width: int = TEXT_CHARS) -> str:
+    """Running text with every unbroken run longer than ``word`` (a name inside a sentence) cut
+    in the middle, then the whole cut to ``width``. Line breaks and spaces are kept."""
+    text = str(text)
+    if len(text) > 4 * width:  # no need to scan a huge text whole: its middle is cut anyway
+        text = shorten(text, 4 * width)
+    text = re.sub(r"\S{%d,}" % (word + 1), lambda m: shorten(m.group(), word), text)
+    return shorten(text, width)

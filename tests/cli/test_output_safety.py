@@ -1,0 +1,310 @@
+"""Every file the CLI writes goes only where the user asked (issue 20): never over a trace, never
+through a symbolic link, never over an existing file unless ``export --force`` says so, never
+half-written; and what ``export`` builds from a hostile trace is bounded and plain.
+
+Real CLI runs on copies of real traces (sample_traces/, and runs recorded here with CUDA memory
+snapshots fed through the recorder's own conversion, as tests/cli/test_memory_snapshot.py does).
+"""
+
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.cli.test_bad_input import assert_one_line_error
+from tests.cli.test_memory_snapshot import documented_snapshot, record_with
+from tests.helpers import SAMPLES, run_cli
+
+
+class RefuseGlobals(pickle.Unpickler):
+    """Loads only what needs no class or function: str, int, float, bool, None, list, dict, tuple."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def safe_load(path):
+    with open(path, "rb") as f:
+        return RefuseGlobals(f).load()
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def leftovers(folder):
+    return [n for n in os.listdir(folder) if "torchautopsy-tmp" in n]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A copy of a real trace (profiler window, parameter snapshots, samples)."""
+    os.mkdir(tmp_path / "run")
+    shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", tmp_path / "run" / "rank0.h5")
+    return tmp_path / "run"
+
+
+@pytest.fixture(scope="module")
+def snap_run(tmp_path_factory):
+    """A real run whose trace holds two CUDA memory snapshots (the documented structure)."""
+    path = tmp_path_factory.mktemp("snap") / "run"
+    record_with(path, [(documented_snapshot(), "schedule"), (documented_snapshot(), "oom")])
+    return path
+
+
+@pytest.fixture
+def snap_copy(snap_run, tmp_path):
+    shutil.copytree(snap_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def run_bounded(*args, mem_bytes=2**30, timeout=60):
+    """The CLI in a process that may not map more than ``mem_bytes`` (Linux), and its wall time."""
+    def limit():
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+        except (ValueError, OSError):
+            pass
+
+    code = "import sys\nsys.modules['torch'] = None\nfrom torchautopsy.analyzer.cli import main\nmain(sys.argv[1:])\n"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, preexec_fn=limit)
+    return r, time.monotonic() - t0
+
+
+# -- where outputs go ----------------------------------------------------------------------------
+
+def test_export_keeps_an_existing_file_unless_forced(run, tmp_path):
+    out = tmp_path / "trace.json"
+    out.write_text("keep me")
+    r = run_cli("export", run, "--profile", out)
+    assert_one_line_error(r, "trace.json exists", "--force")
+    assert out.read_text() == "keep me"
+    r = run_cli("export", run, "--profile", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert "traceEvents" in out.read_text()
+    # two outputs at one path: the second would silently replace the first
+    r = run_cli("export", run, "--params", "last", tmp_path / "a.st", "--tensors", "last", tmp_path / "a.st")
+    assert_one_line_error(r, "a.st is named twice")
+    assert not (tmp_path / "a.st").exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "{run}", "--profile", "{run}/rank0.h5"],
+    ["export", "{run}", "--profile", "{run}/rank0.h5", "--force"],
+    ["export", "{run}", "--params", "last", "{run}/rank0.h5", "--force"],
+    ["export", "{run}/rank0.h5", "--memory-snapshot", "{run}/rank0.h5", "--force"],
+    ["analyze", "{run}", "--json", "{run}/rank0.h5"],
+    ["analyze", "{run}", "--md", "{tmp}/hardlink.h5"],  # another name of the same file
+])
+def test_never_writes_over_the_trace_being_read(run, tmp_path, args):
+    os.link(run / "rank0.h5", tmp_path / "hardlink.h5")
+    before = digest(run / "rank0.h5")
+    r = run_cli(*[a.format(run=run, tmp=tmp_path) for a in args])
+    assert_one_line_error(r, "is the trace being read", "give another path")
+    assert digest(run / "rank0.h5") == before and not leftovers(run)
+
+
+def test_never_writes_over_another_hdf5_file_even_with_force(run, tmp_path):
+    other = tmp_path / "other.h5"
+    shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", other)
+    before = digest(other)
+    for args in (["export", run, "--profile", other, "--force"], ["analyze", run, "--html", other]):
+        assert_one_line_error(run_cli(*args), "is an HDF5 file", "even with --force")
+    assert digest(other) == before
+
+
+@pytest.mark.parametrize("command", ["export", "analyze"])
+def test_never_writes_through_a_symbolic_link(run, tmp_path, command):
+    target = tmp_path / "precious.txt"
+    target.write_text("secret")
+    os.symlink(target, tmp_path / "link.json")
+    os.symlink(tmp_path / "created-by-link.json", tmp_path / "dangling.json")
+    for name in ("link.json", "dangling.json"):
+        args = (["export", run, "--profile", tmp_path / name, "--force"] if command == "export"
+                else ["analyze", run, "--json", tmp_path / name])
+        assert_one_line_error(run_cli(*args), "is a symbolic link")
+        assert os.path.islink(tmp_path / name)
+    assert target.read_text() == "secret"
+    assert not (tmp_path / "created-by-link.json").exists()
+
+
+def test_analyze_still_overwrites_its_reports(run, tmp_path):
+    out = tmp_path / "f.json"
+    out.write_text("old findings")
+    os.chmod(out, 0o640)
+    r = run_cli("analyze", run, "--json", out, "--md", tmp_path / "r.md")
+    assert r.returncode == 0, r.stderr
+    assert '"findings"' in out.read_text() and (tmp_path / "r.md").exists()
+    assert (os.stat(out).st_mode & 0o777) == 0o640  # the replaced file keeps its permissions
+    assert not leftovers(tmp_path)
+
+
+def test_a_file_or_link_planted_after_the_check_is_not_written_through(tmp_path):
+    """The last step of a write, after the checks: without overwrite it fails if anything
+    appeared at the path meanwhile; with it, a link planted meanwhile is replaced, not followed."""
+    from torchautopsy.analyzer.output import OutputError, _publish
+
+    for overwrite in (False, True):
+        tmp = tmp_path / f"new{overwrite}.tmp"
+        tmp.write_text("new")
+        target, link = tmp_path / "target.txt", tmp_path / f"out{overwrite}.json"
+        target.write_text("secret")
+        os.symlink(target, link)
+        if overwrite:
+            _publish(str(tmp), str(link), overwrite=True)
+            assert not os.path.islink(link) and link.read_text() == "new"
+        else:
+            with pytest.raises(OutputError, match="exists"):
+                _publish(str(tmp), str(link), overwrite=False)
+        assert target.read_text() == "secret"
+
+
+def _append_blob(trace, data: bytes) -> None:
+    """Point profiler window 0 at ``data``, appended to blobs/bytes."""
+    with h5py.File(trace, "r+") as f:
+        ds = f["blobs/bytes"]
+        n0 = ds.shape[0]
+        ds.resize((n0 + len(data),))
+        ds[n0:] = np.frombuffer(data, np.uint8)
+        f["profile_windows/trace_offset"][0] = n0
+        f["profile_windows/trace_nbytes"][0] = len(data)
+
+
+@pytest.mark.parametrize("blob, needle", [
+    (gzip.compress(b"{" + b" " * (200 * 2**20)), "compression bomb"),  # 200 MiB from ~200 KB
+    (gzip.compress(b'{"traceEvents": []}' * 10_000)[:-100], "cut short"),
+])
+def test_a_write_that_fails_half_way_leaves_the_old_file(run, tmp_path, blob, needle):
+    _append_blob(run / "rank0.h5", blob)
+    out = tmp_path / "t.json"
+    out.write_text("previous export")
+    r, seconds = run_bounded("export", run, "--profile", out, "--force")
+    assert_one_line_error(r, "profiler window 0", needle)
+    assert out.read_text() == "previous export" and not leftovers(tmp_path)
+    assert seconds < 30
+
+
+def test_a_profile_window_outside_the_blobs_is_refused_before_reading(run, tmp_path):
+    with h5py.File(run / "rank0.h5", "r+") as f:
+        f["profile_windows/trace_nbytes"][0] = 2**40
+    r, _ = run_bounded("export", run, "--profile", tmp_path / "t.json")
+    assert_one_line_error(r, "lies outside blobs/bytes")
+    assert not (tmp_path / "t.json").exists()
+
+
+# -- stored tensors: places and sizes checked before anything is read -----------------------------
+
+@pytest.mark.parametrize("column, value, args, needle", [
+    ("tensors/nbytes", 2**40, ("--tensors", "last"), "past the end of blobs/bytes"),
+    ("tensors/offset", -8, ("--tensors", "last"), "bad place"),
+    ("tensors/offset", None, ("--tensors", "last"), "add up to more bytes"),  # rows overlap
+    ("snapshots/nbytes", 2**40, ("--params", "last"), "past the end of snapshots/bytes"),  # the slot
+])
+def test_stored_tensor_places_are_checked_before_reading(run, tmp_path, column, value, args, needle):
+    with h5py.File(run / "rank0.h5", "r+") as f:
+        if value is None:  # every row in the blobs names all of blobs/bytes
+            for i, loc in enumerate(f["tensors/location"][()]):
+                if loc in (b"blobs", "blobs"):
+                    f["tensors/offset"][i] = 0
+                    f["tensors/nbytes"][i] = f["blobs/bytes"].shape[0]
+        else:
+            f[column][...] = value
+    r, seconds = run_bounded("export", run, *args, tmp_path / "o.safetensors")
+    assert_one_line_error(r, needle)
+    assert seconds < 30 and not (tmp_path / "o.safetensors").exists()
+
+
+def test_a_5000_digit_integer_in_the_black_box_detail_is_skipped(tmp_path):
+    shutil.copytree(SAMPLES / "nan_birth", tmp_path / "run")
+    with h5py.File(tmp_path / "run" / "rank0.h5", "r+") as f:
+        f["blackbox/detail"][0] = '{"values": {"loss": ' + "9" * 5000 + "}}"
+    r, _ = run_bounded("export", tmp_path / "run", "--tensors", "blackbox", tmp_path / "bb.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and (tmp_path / "bb.safetensors").stat().st_size > 0
+
+
+# -- the memory snapshot pickle --------------------------------------------------------------------
+
+def test_the_snapshot_pickle_needs_no_global_and_equals_the_snapshot(snap_copy, tmp_path):
+    out = tmp_path / "s.pickle"
+    r = run_cli("export", snap_copy, "--memory-snapshot", out, "--which", "0", block_torch=True)
+    assert r.returncode == 0, r.stderr
+    assert safe_load(out) == documented_snapshot()
+    # the refusing unpickler does refuse: a pickle with a global fails to load
+    with pytest.raises(pickle.UnpicklingError, match="refused global"):
+        RefuseGlobals(io.BytesIO(pickle.dumps(np.int64(3)))).load()
+
+
+def test_plain_converts_numpy_and_refuses_other_objects():
+    from torchautopsy.analyzer.memory_snapshot import plain
+
+    shared = [{"filename": "a.py", "line": 1}]
+    data = {"n": np.int64(7), "x": np.float32(0.5), "s": np.str_("ok"), "b": b"raw\xff", "t": (np.int32(0), 1),
+            "a": np.arange(3), "ok": np.bool_(True), "f1": shared, "f2": shared}
+    back = RefuseGlobals(io.BytesIO(pickle.dumps(plain(data)))).load()
+    assert back == {"n": 7, "x": 0.5, "s": "ok", "b": "raw\ufffd", "t": (0, 1), "a": [0, 1, 2], "ok": True,
+                    "f1": shared, "f2": shared}
+    assert back["f1"] is back["f2"]  # shared frame lists stay shared: pickled once
+    for bad in (object(), {"k": {1, 2}}, {(1, 2): 3}):
+        with pytest.raises(TypeError):
+            plain(bad)
+    deep: list = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(TypeError, match="deeper"):
+        plain(deep)
+
+
+def test_a_count_of_2_40_device_histories_is_refused_without_allocating(snap_copy, tmp_path):
+    with h5py.File(snap_copy / "rank0.h5", "r+") as f:
+        n = f["memory_snapshots/n_device_traces"].shape[0]
+        del f["memory_snapshots/n_device_traces"]
+        f.create_dataset("memory_snapshots/n_device_traces", data=np.full(n, 2**40, np.int64))
+    r, seconds = run_bounded("export", snap_copy, "--memory-snapshot", tmp_path / "s.pickle", "--which", "0")
+    assert_one_line_error(r, "1,099,511,627,776 device histories", "damaged")
+    assert seconds < 30 and not (tmp_path / "s.pickle").exists()
+
+
+@pytest.mark.parametrize("field", ["memory_snapshots/extra", "memory_snapshots/allocator_settings",
+                                   "memory_frames/extra"])
+def test_a_5000_digit_integer_in_a_json_field_is_skipped(snap_copy, tmp_path, field):
+    with h5py.File(snap_copy / "rank0.h5", "r+") as f:
+        f[field][0] = '{"huge": ' + "9" * 5000 + "}"
+    out = tmp_path / "s.pickle"
+    r, seconds = run_bounded("export", snap_copy, "--memory-snapshot", out, "--which", "0")
+    assert r.returncode == 0, r.stderr
+    back, want = safe_load(out), documented_snapshot()
+    if field.endswith("allocator_settings"):
+        want["allocator_settings"] = {}
+    assert back == want and seconds < 30
+
+
+def test_overlapping_stacks_are_refused(snap_copy, tmp_path):
+    """Stacks are disjoint runs of frames; overlapping ones would let a small file expand into a
+    snapshot of (entries x frames) dicts."""
+    with h5py.File(snap_copy / "rank0.h5", "r+") as f:
+        n = f["memory_stack_frames/frame"].shape[0]
+        f["memory_stacks/first"][...] = 0
+        f["memory_stacks/length"][...] = n
+    r, _ = run_bounded("export", snap_copy, "--memory-snapshot", tmp_path / "s.pickle")
+    assert_one_line_error(r, "memory_stacks", "overlap")
+
+
+def test_a_pipe_is_written_in_place(run, tmp_path):
+    """/dev/stdout (a link to the process's pipe) is a stream, not a file to replace."""
+    r = subprocess.run([sys.executable, "-m", "torchautopsy.analyzer.cli", "analyze", str(run),
+                        "--json", "/dev/stdout"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '"findings": [' in r.stdout
