@@ -11,13 +11,14 @@ from ..analyzer.findings import Finding
 from ..analyzer.series import spacing
 from ..analyzer.trace import measured_rows
 from .context import Context, read_or_none
-from .format import format_number, plural, shorten
+from .format import REPORT_NAME_CHARS, format_number, plural, shorten, shorten_words
 from .model import Recorded, Table
 
 # Tables are cut to this many rows (the ones findings name are kept); the rest is counted.
 MAX_ROWS = 200
-# The model summary (print(model)) is cut to this many lines.
+# The model summary (print(model)) is cut to this many lines, of at most this many characters.
 MAX_SUMMARY_LINES = 150
+MAX_SUMMARY_LINE_CHARS = 200
 
 
 def parameter_table(ctx: Context) -> Table:
@@ -43,7 +44,7 @@ def parameter_table(ctx: Context) -> Table:
     rows = []
     for j in keep:
         n = rt.param_names[j]
-        rows.append((n, "×".join(map(str, rt.param_shapes[j])) or "scalar",
+        rows.append((shorten(n, REPORT_NAME_CHARS), "×".join(map(str, rt.param_shapes[j])) or "scalar",
                      _at(g, 0, j), _at(gmax, 0, j), _at(w, 0, j),
                      format_number(last_upd.iloc[j]) if last_upd is not None else "",
                      f"{int(bad_steps[j]):,}" if bad_steps is not None else ""))
@@ -143,7 +144,8 @@ def profile_table(ctx: Context) -> Table | None:
     cols = ("operator", "calls", "self CPU ms / step", "share of CPU") + (("self device ms / step",) if dev else ())
     rows = []
     for r in ops.head(MAX_OPS).itertuples():
-        row = (r.name, f"{int(r.calls):,}", format_number(r.cpu_self_us / 1e3 / steps),
+        row = (shorten(r.name, REPORT_NAME_CHARS), f"{int(r.calls):,}",
+               format_number(r.cpu_self_us / 1e3 / steps),
                f"{r.cpu_self_us / cpu_total:.0%}")
         rows.append(row + ((format_number(r.device_self_us / 1e3 / steps),) if dev else ()))
     caption = (f"torch.profiler window {w}, steps {int(last['step_start']):,}-{int(last['step_end']):,}: the "
@@ -181,7 +183,7 @@ def module_table(ctx: Context) -> Table:
     for j in keep:
         n = rt.module_names[j]
         absmax = out.iat[0, j]
-        rows.append((n or "(model)", rt.module_types[j],
+        rows.append((shorten(n, REPORT_NAME_CHARS) or "(model)", shorten(rt.module_types[j], REPORT_NAME_CHARS),
                      "not called" if absmax == -1 else format_number(absmax),
                      *(format_number(r.iloc[j]) if r is not None else "" for r in act_row.values()),
                      f"{dead_last[n]:.0%}" if dead_last is not None and n in dead_last.index
@@ -272,10 +274,11 @@ def recorded(ctx: Context) -> list[Recorded]:
 
 
 def model_summary(ctx: Context) -> str:
-    text = str(ctx.focus.meta.get("model_summary", ""))
-    lines = text.splitlines()
+    lines = str(ctx.focus.meta.get("model_summary", "")).splitlines()
+    text = "\n".join(shorten_words(line, MAX_SUMMARY_LINE_CHARS, MAX_SUMMARY_LINE_CHARS)
+                     for line in lines[:MAX_SUMMARY_LINES])
     if len(lines) > MAX_SUMMARY_LINES:
-        text = "\n".join(lines[:MAX_SUMMARY_LINES]) + f"\n… {len(lines) - MAX_SUMMARY_LINES:,} more lines"
+        text += f"\n… {len(lines) - MAX_SUMMARY_LINES:,} more lines"
     return text
 
 

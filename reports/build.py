@@ -7,6 +7,7 @@ plots.MAX_POINTS points each."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from .. import __version__
 from ..analyzer.config import AnalysisConfig
@@ -14,7 +15,7 @@ from ..analyzer.findings import Finding, sort_findings
 from ..analyzer.trace import Trace
 from . import appendix, distributions, overview
 from .context import Context, no_figure
-from .format import evidence_rows, shorten
+from .format import bounded, evidence_rows, shorten
 from .model import Figure, FindingView, Report, Table
 from .sections import section
 from .summary import build_verdict, recorder_settings, run_facts
@@ -79,7 +80,9 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             rank=f.rank if len(trace.ranks) > 1 else None,
             where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
             summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
-    return Report(
+    # Every string of the report cut to a size its renderers can lay out (names from the trace may
+    # be 100,000 characters); the model summary is cut line by line by appendix.model_summary.
+    report = bounded(Report(
         title=f"torchautopsy report: {trace.run_dir}",
         run_dir=trace.run_dir,
         version=__version__,
@@ -91,8 +94,9 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
         overview=overview_figs,
         tables=tables,
         recorded=appendix.recorded(ctx),
-        model_summary=appendix.model_summary(ctx),
-    )
+        model_summary="",
+    ))
+    return replace(report, model_summary=appendix.model_summary(ctx))
 
 
 def _finding_figure(ctx: Context, f: Finding) -> Figure | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields, is_dataclass, replace
 
 import numpy as np
 
+from ..analyzer.display import REPORT_NAME_CHARS, TEXT_CHARS, TITLE_CHARS, WORD_CHARS, shorten, shorten_words
 from .model import EvidenceRow
 
 # Evidence is shown in full up to these bounds; a trace could hold a dict of every parameter.
@@ -14,12 +16,22 @@ MAX_EVIDENCE_DEPTH = 3
 MAX_TEXT_CHARS = 4000
 # Records of a list (slow steps, tensor groups) shown one per row, at most this many.
 MAX_RECORDS = 5
+# A cell of a report's tables: a PDF row must fit on a page even in a narrow column.
+CELL_CHARS = 300
+# Fields of the report's data cut tighter than running text (TEXT_CHARS).
+_FIELD_CHARS = {"rows": CELL_CHARS, "where": REPORT_NAME_CHARS, "columns": REPORT_NAME_CHARS,
+                "title": TITLE_CHARS}
+
+__all__ = ["REPORT_NAME_CHARS", "bounded", "evidence_rows", "format_bytes", "format_duration", "format_number",
+           "format_value", "map_strings", "plural", "shorten", "shorten_words"]
 
 
 def evidence_rows(evidence: dict, depth: int = 0) -> list[EvidenceRow]:
     """``[(key, value)]`` where each value is a string or, for a nested dict, rows again."""
     items = list(evidence.items())
-    rows: list[EvidenceRow] = [(str(k), _evidence_value(v, depth, str(k))) for k, v in items[:MAX_EVIDENCE_ITEMS]]
+    # Keys may be names from the trace (a dict of parameter -> value): shown cut.
+    rows: list[EvidenceRow] = [(shorten(str(k), REPORT_NAME_CHARS), _evidence_value(v, depth, str(k)))
+                               for k, v in items[:MAX_EVIDENCE_ITEMS]]
     if len(items) > MAX_EVIDENCE_ITEMS:
         rows.append(("…", f"{len(items) - MAX_EVIDENCE_ITEMS} more entries not shown"))
     return rows
@@ -132,9 +144,20 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
-def shorten(text: str, width: int) -> str:
-    """``text`` cut in the middle to ``width`` characters (names keep their start and their end)."""
-    if len(text) <= width:
-        return text
-    half = (width - 1) // 2
-    return text[:half] + "…" + text[len(text) - (width - 1 - half):]
+def bounded(obj):
+    """A report's data with every string cut by shorten_words: a name or text from the trace,
+    however long, cannot break a renderer's layout or take minutes to lay out."""
+    return map_strings(obj, lambda text, field: shorten_words(text, WORD_CHARS,
+                                                              _FIELD_CHARS.get(field, TEXT_CHARS)))
+
+
+def map_strings(obj, fn, field: str = ""):
+    """``obj`` (dataclasses, lists, tuples) with every string ``s`` replaced by ``fn(s, field)``,
+    ``field`` the name of the dataclass field holding it. Bytes (figures) and numbers are kept."""
+    if isinstance(obj, str):
+        return fn(obj, field)
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: map_strings(getattr(obj, f.name), fn, f.name) for f in fields(obj) if f.init})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_strings(x, fn, field) for x in obj)
+    return obj

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from ..analyzer.display import NAME_CHARS, shorten, shorten_words
 from ..analyzer.export import fired_blackbox
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
@@ -19,10 +20,13 @@ from .summary import build_verdict, ending, plural, steps_span
 # box: 40 lines at most.
 MAX_ROWS = 20
 _CELL_CHARS = {"kind": 28, "where": 60, "summary": 160}
+_WHERE_NAMES = 3  # names listed in the "where" cell, each cut to NAME_CHARS / 2
 _VERDICT_CHARS = 700
 # CommonMark lets any ASCII punctuation be backslash-escaped; these would otherwise make markup
-# (code spans, emphasis, links, HTML tags, table cells, entities).
-_SPECIAL = re.compile(r"([\\`*\[\]<>|&])")
+# (code spans, emphasis, strikethrough, links and autolinks, HTML tags, table cells, entities,
+# headings, GitHub's $math$). "_" between two letters or digits never makes emphasis: left as it
+# is (down_proj).
+_SPECIAL = re.compile(r"([\\`*~\[\]<>|&#$]|(?<![^\W_])_|_(?![^\W_]))")
 
 
 def render_markdown(trace: Trace, findings: list[Finding]) -> str:
@@ -39,9 +43,10 @@ def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def md_text(text: str, width: int) -> str:
-    """``text`` on one line, cut to ``width`` characters, with Markdown's special characters escaped."""
-    text = " ".join(str(text).split())
+def md_text(text: str, width: int, word: int | None = None) -> str:
+    """``text`` on one line, cut to ``width`` characters (and first each unbroken run longer than
+    ``word``, a name in a sentence, in its middle), with Markdown's special characters escaped."""
+    text = " ".join(shorten_words(text, word or 4 * width, 4 * width).split())
     if len(text) > width:
         text = text[: width - 1] + "…"
     return _SPECIAL.sub(r"\\\1", text)
@@ -57,7 +62,7 @@ def _run_line(trace: Trace) -> str:
             f"{steps}, {plural(len(ranks), 'rank')}; ended: {'; '.join(ends)}")
     if trace.unreadable:
         text += f"; {len(trace.unreadable)} rank file(s) unreadable"
-    return "**Run:** " + md_text(text, 400)
+    return "**Run:** " + md_text(text, 400, NAME_CHARS)
 
 
 def _verdict_line(findings: list[Finding], n_ranks: int) -> str:
@@ -65,7 +70,7 @@ def _verdict_line(findings: list[Finding], n_ranks: int) -> str:
     if v.severity == "ok":
         return f"**Verdict:** No problem found (checked: {', '.join(v.checked)})."
     chain = " ".join(plain(s) for s in v.sentences)
-    return f"**Verdict:** {md_text(v.headline, 200)}. {md_text(chain, _VERDICT_CHARS)}"
+    return f"**Verdict:** {md_text(v.headline, 200, NAME_CHARS)}. {md_text(chain, _VERDICT_CHARS, NAME_CHARS)}"
 
 
 def _findings_table(findings: list[Finding]) -> list[str]:
@@ -76,7 +81,9 @@ def _findings_table(findings: list[Finding]) -> list[str]:
             md_text(f.kind, _CELL_CHARS["kind"]),
             "" if f.rank is None else str(f.rank),
             "" if f.step is None else str(f.step),
-            md_text(", ".join(w or "(model)" for w in f.where), _CELL_CHARS["where"]),
+            md_text(", ".join(shorten(w or "(model)", NAME_CHARS // 2) for w in f.where[:_WHERE_NAMES])
+                    + (f" and {len(f.where) - _WHERE_NAMES} more" if len(f.where) > _WHERE_NAMES else ""),
+                    _CELL_CHARS["where"]),
             md_text(f.summary, _CELL_CHARS["summary"]),
         ]
         rows.append("| " + " | ".join(cells) + " |")

@@ -2,10 +2,10 @@
 
 Laid out with fpdf2, a pure-Python PDF library (no system libraries: ``pip install`` is enough on
 any laptop). Text is set in DejaVu Sans / Sans Mono, the fonts matplotlib ships (so no font has
-to be installed, and names in any Latin, Greek or Cyrillic script print). Every string from the
-trace is written as plain text (no markup is parsed), so a module named ``<script>`` prints as
-those characters. Figures are the report's PNGs placed at the size they were drawn (7 inches,
-8-point text): readable at 100%.
+to be installed, and names in any Latin, Greek or Cyrillic script print; a character these fonts
+lack, CJK or an emoji, prints as "?"). Every string from the trace is written as plain text (no
+markup is parsed), so a module named ``<script>`` prints as those characters. Figures are the
+report's PNGs placed at the size they were drawn (7 inches, 8-point text): readable at 100%.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fpdf.fonts import FontFace
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
 from .build import build_report
-from .format import shorten
+from .format import map_strings, shorten
 from .model import EvidenceRow, Figure, Report, Table, Text
 
 MARGIN = 15.0  # mm
@@ -37,6 +37,7 @@ def render_pdf(report_or_trace: Report | Trace, findings: list[Finding] | None =
     """The PDF of a built report, or of ``trace`` and its ``findings`` (built here)."""
     report = report_or_trace if isinstance(report_or_trace, Report) else build_report(report_or_trace, findings or [])
     pdf = _Doc(report)
+    pdf.r = map_strings(report, lambda text, _: pdf.drawable(text))
     pdf.header_page()
     pdf.findings()
     pdf.overview()
@@ -54,11 +55,20 @@ class _Doc(FPDF):
         # No text is substituted by fpdf2's page-count alias: a name from the trace may spell
         # "{nb}". The footers are written last, when the number of pages is known.
         self.alias_nb_pages(None)
+        # Characters every font of the document can draw: any other prints as "?" (fpdf2 would
+        # leave a blank and log a warning for each font).
+        self._drawable = set.intersection(*(set(f.cmap) for f in self.fonts.values())) | {10, 13}
         self.set_margins(MARGIN, MARGIN, MARGIN)
         self.set_auto_page_break(True, margin=16)
         self.set_title(shorten(report.title, 200))
         self.set_creator(f"torchautopsy {report.version}")
         self.set_author("torchautopsy")
+
+    def drawable(self, text: str) -> str:
+        """``text`` with each character the fonts lack replaced by "?"."""
+        if all(ord(c) in self._drawable for c in text):
+            return text
+        return "".join(c if ord(c) in self._drawable else "?" for c in text)
 
     # -- page furniture ---------------------------------------------------------------------------
     def footers(self) -> None:

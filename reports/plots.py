@@ -24,6 +24,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from ..analyzer.display import shorten as _shorten
+
 FIG_WIDTH_IN = 7.0
 DPI = 150
 # At most this many points per line: enough for a 7-inch figure at 150 dpi, small enough to stay
@@ -31,13 +33,16 @@ DPI = 150
 MAX_POINTS = 2000
 # More lines than this in one plot cannot be told apart; the rest are named in the caption.
 MAX_LINES = 12
+# A line's name in a legend, cut to this many characters.
+LINE_LABEL_CHARS = 32
 SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 # Lines a finding names: strong, distinct colours (no red or orange: those mark events and thresholds).
 EMPHASIS_COLORS = ("#1f77b4", "#9467bd", "#2ca02c", "#8c564b", "#17becf", "#e377c2", "#bcbd22", "#37474f")
 NONFINITE_COLOR = "#d50000"
 _RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7,
        "xtick.labelsize": 7, "ytick.labelsize": 7, "axes.grid": True, "grid.alpha": 0.3,
-       "axes.spines.top": False, "axes.spines.right": False}
+       "axes.spines.top": False, "axes.spines.right": False,
+       "text.usetex": False}  # a user's matplotlibrc may set it: LaTeX would choke on names (_, #, %)
 
 Mark = tuple[int, str, str]  # (step, severity, label): a vertical line at a finding's step
 
@@ -141,7 +146,8 @@ def plot_lines(lines: Sequence[Line], ax, *, log: bool = False, ylabel: str = ""
         handles, labels = ax.get_legend_handles_labels()
         if handles:
             # Emphasised lines first: the legend reads as "these, against the rest".
-            order = sorted(range(len(labels)), key=lambda i: labels[i] not in {_label(l.label) for l in emphasised})
+            first = {_label(ln.label, LINE_LABEL_CHARS) for ln in emphasised}
+            order = sorted(range(len(labels)), key=lambda i: labels[i] not in first)
             ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
                       bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
 
@@ -347,18 +353,14 @@ def shorten(text: str, width: int = 40) -> str:
 
 
 def _label(text: str, width: int = 40) -> str:
-    text = str(text)
-    if len(text) > width:
-        half = (width - 1) // 2
-        text = text[:half] + "…" + text[len(text) - (width - 1 - half):]
-    return text.replace("$", r"\$")
+    return _shorten(text, width).replace("$", r"\$")
 
 
 def _line(ax, ln: Line, log: bool, color, width: float, zorder: int) -> None:
     y = _positive_or_nan(ln.y) if log else _finite_or_nan(ln.y)
     x, y = downsample_minmax(np.asarray(ln.x), y)
     ax.plot(x, y, ls=ln.style, lw=width, color=color, marker=ln.marker, ms=9 if ln.marker == "*" else 3.5,
-            label=_label(ln.label, 32) if ln.label else None, zorder=zorder)
+            label=_label(ln.label, LINE_LABEL_CHARS) if ln.label else None, zorder=zorder)
 
 
 # More marks than this are drawn without legend entries (a legend taller than the figure).
