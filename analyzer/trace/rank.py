@@ -91,7 +91,10 @@ class RankTrace(MemoryTables, StoredTensors):
         arr.flags.writeable = False
         return arr
 
-    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str]) -> pd.DataFrame:
+    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str], name: str = "a table") -> pd.DataFrame:
+        if data.ndim != 2 or data.shape[1] != len(columns):
+            raise TraceFormatError(f"{self.path}: {name} is {data.shape[1:]} wide, not one column per name "
+                                   f"({len(columns):,}); the trace is damaged")
         df = pd.DataFrame(data, index=pd.Index(index, name="step"), columns=columns, copy=False)
         return df
 
@@ -242,7 +245,12 @@ class RankTrace(MemoryTables, StoredTensors):
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
         """A table as a DataFrame, its text columns decoded."""
-        df = pd.DataFrame(self._table(table, cols, texts))
+        t = self._table(table, cols, texts)
+        for c, v in t.items():
+            if np.ndim(v) != 1:
+                raise TraceFormatError(f"{self.path}: {table}/{c} has shape {np.shape(v)}, not one value a row; "
+                                       "the trace is damaged")
+        df = pd.DataFrame(t)
         for c in texts:
             df[c] = _texts(df[c])
         return df

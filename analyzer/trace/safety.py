@@ -64,9 +64,9 @@ class _Walk:
                                "this (a crafted or foreign file), so it is not read")
 
     def run(self, f: h5py.File) -> None:
-        self.check_attrs("", f)
-        self.check_links("", f)
         try:
+            self.check_attrs("", f)
+            self.check_links("", f)
             # visititems follows hard links only, each object once (no cycles).
             f.visititems(self.visit)
         except TraceFormatError:

@@ -140,6 +140,8 @@ class StoredTensors:
         table, index = (("histogram_modules/module", self.module_names) if kind == "activation"
                         else ("histogram_params/param", self.param_names))
         idx = self._read(table)
+        if idx.ndim != 1:
+            raise TraceFormatError(f"{self.path}: {table} has shape {idx.shape}, not a list; the trace is damaged")
         names = [index[i] if 0 <= i < len(index) else f"#{i}" for i in idx]
         steps = self.histogram_steps
         rows = np.arange(len(steps)) if rows is None else np.unique(np.asarray(rows, dtype=np.int64))
