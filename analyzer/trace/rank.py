@@ -217,7 +217,11 @@ class RankTrace(MemoryTables, StoredTensors):
                 n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
-        return self._read(f"{table}/step", n)
+        steps = self._read(f"{table}/step", n)
+        if steps.ndim != 1:
+            raise TraceFormatError(f"{self.path}: {table}/step has shape {steps.shape}, not a list of steps; "
+                                   "the trace is damaged")
+        return steps
 
     def _n_rows(self, table: str, cols) -> int:
         """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
