@@ -353,7 +353,10 @@ class RankTrace(MemoryTables, StoredTensors):
         """Live tensor census by group, one row per (census step, group): step, device, dtype,
         shape (str), graph (holds an autograd graph), count, bytes."""
         cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes")
-        return self._texts_table("census_groups", cols, ("device", "dtype", "shape"))
+        df = self._texts_table("census_groups", cols, ("device", "dtype", "shape"))
+        # One row per group and step, as the recorder writes them; a damaged trace's repeats are summed.
+        return df.groupby(["step", "device", "dtype", "shape", "graph"], as_index=False, sort=False)[
+            ["count", "bytes"]].sum()[list(cols)]
 
     @cached_property
     def module_outputs(self) -> pd.DataFrame:
