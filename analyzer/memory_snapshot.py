@@ -39,16 +39,10 @@ def _has(mask: int, keys: tuple[str, ...]) -> list[str]:
     return [k for i, k in enumerate(keys) if mask >> i & 1]
 
 
-def _json(text: str):
-    """A JSON text from the trace, or None where it is not valid JSON, holds an integer past
-    Python's 4,300-digit limit (a ValueError that is no JSONDecodeError) or nests too deep."""
-    return parse_json(text)
-
-
 def _with_extra(d: dict, extra: str) -> dict:
     """Add the keys the recorder kept as JSON (ones it has no column for); unreadable JSON is skipped."""
     if extra:
-        other = _json(extra)
+        other = parse_json(extra)
         if isinstance(other, dict):
             d.update(other)
     return d
@@ -153,8 +147,7 @@ def snapshot_dict(rt: RankTrace, snapshot: int) -> dict:
                 traces[int(e.device)].append(_with_extra(d, e.extra))
         out["device_traces"] = traces
     if mask & 2:
-        settings = _json(row["allocator_settings"]) if row["allocator_settings"] else {}
-        out["allocator_settings"] = settings if settings is not None else {}
+        out["allocator_settings"] = parse_json(row["allocator_settings"], {}) if row["allocator_settings"] else {}
     return _with_extra(out, row["extra"])
 
 

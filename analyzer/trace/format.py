@@ -66,6 +66,12 @@ def _open(path: str) -> h5py.File:
                            "copy it again from the job's run directory")
 
 
+def rank_of_file(path: str) -> int:
+    """The rank a rank file's name gives (rank3.h5: 3); 0 for another name."""
+    m = _RANK_FILE.match(os.path.basename(path))
+    return int(m.group(1)) if m else 0
+
+
 def _checked(f: h5py.File, path: str) -> h5py.File:
     """The open file, once safety.check_trace_file has passed it (closed if it does not)."""
     try:
@@ -93,9 +99,6 @@ def clean_text(text: str, lines: bool = True) -> str:
     newlines too (names: one line each)."""
     pattern = _CONTROL if lines else _CONTROL_OR_LINE
     return pattern.sub(_escape, text) if pattern.search(text) else text
-
-
-_NOT_JSON = object()
 
 
 def parse_json(text, default=None):

@@ -3,7 +3,6 @@ windows and sites, and the per-step digest."""
 
 from __future__ import annotations
 
-import json
 import os
 from functools import cached_property
 
@@ -14,7 +13,7 @@ from ..errors import SchemaVersionError, TraceFormatError
 from . import schema
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
-                     _PER_STEP_TABLES, _RANK_FILE, parse_json, _attr, _open, _strings, _texts)
+                     _PER_STEP_TABLES, _attr, _open, _strings, _texts, parse_json, rank_of_file)
 from .memory_tables import MemoryTables
 from .stored_tensors import StoredTensors
 from .streaming import _WINDOWS_PER_READ, StepDigest, _gather, _row_selection, _width, block_rows
@@ -25,12 +24,6 @@ def _shape(text: str) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**53 for d in shape):
         raise ValueError(f"a parameter shape reads {text[:40]!r}")
     return tuple(shape)
-
-
-def _rank_of(path: str) -> int:
-    """The rank a file's name gives (rank3.h5: 3), for a trace whose rank attribute is unusable."""
-    m = _RANK_FILE.match(os.path.basename(path))
-    return int(m.group(1)) if m else 0
 
 
 class RankTrace(MemoryTables, StoredTensors):
@@ -70,15 +63,16 @@ class RankTrace(MemoryTables, StoredTensors):
                 self.n_steps = min(f[f"{t}/{c}"].shape[0] for t, cols in _PER_STEP_TABLES.items() for c in cols)
                 schema.check_step_count(path, self.n_steps)
                 schema.check_step_numbers(path, f["steps/step"][:self.n_steps])
-            except (KeyError, OSError, ValueError, TypeError, json.JSONDecodeError) as e:
+            except (KeyError, OSError, ValueError, TypeError) as e:
                 raise TraceFormatError(f"{path} is a torchautopsy trace with missing or damaged "
                                        f"parts ({e}); it cannot be analyzed") from None
         self.meta = schema.clean_meta(meta)
-        self.rank = self.meta.get("rank", _rank_of(path))
+        self.rank = self.meta.get("rank", rank_of_file(path))  # the file's name, if the attribute is unusable
 
     # -- raw reads ----------------------------------------------------------------------------
-    def _read(self, name: str, rows: int | None = None, text: bool = False) -> np.ndarray:
-        """A dataset (its first ``rows`` rows), read-only; numbers unless ``text``."""
+    def _read(self, name: str, rows: int | None = None, text: bool = False, ndim: int | None = None) -> np.ndarray:
+        """A dataset (its first ``rows`` rows), read-only; numbers unless ``text``, of ``ndim``
+        dimensions if given."""
         try:
             with _open(self.path) as f:
                 ds = f[name]
@@ -88,10 +82,12 @@ class RankTrace(MemoryTables, StoredTensors):
         arr = np.asarray(arr)
         if not text:
             schema.numeric(self.path, name, arr)
+        if ndim is not None and arr.ndim != ndim:
+            raise TraceFormatError(f"{self.path}: {name} has shape {arr.shape}, not {ndim}-D; the trace is damaged")
         arr.flags.writeable = False
         return arr
 
-    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str], name: str = "a table") -> pd.DataFrame:
+    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str], name: str) -> pd.DataFrame:
         if data.ndim != 2 or data.shape[1] != len(columns):
             raise TraceFormatError(f"{self.path}: {name} is {data.shape[1:]} wide, not one column per name "
                                    f"({len(columns):,}); the trace is damaged")
@@ -177,14 +173,14 @@ class RankTrace(MemoryTables, StoredTensors):
         if stat not in PARAM_STATS:
             raise ValueError(f"unknown parameter statistic {stat!r}; one of {PARAM_STATS}")
         idx, data = self._read_rows(f"params/{stat}", rows, self.n_steps)
-        return self._frame(data, self.step_index[idx], self.param_names)
+        return self._frame(data, self.step_index[idx], self.param_names, f"params/{stat}")
 
     def module_stat(self, stat: str = "output_absmax", rows=None) -> pd.DataFrame:
         """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not called)."""
         if stat not in MODULE_STATS:
             raise ValueError(f"unknown module statistic {stat!r}; one of {MODULE_STATS}")
         idx, data = self._read_rows(f"modules/{stat}", rows, self.n_steps)
-        return self._frame(data, self.step_index[idx], self.module_names)
+        return self._frame(data, self.step_index[idx], self.module_names, f"modules/{stat}")
 
     def activation_stat(self, stat: str, rows=None) -> pd.DataFrame:
         """Sampled steps x modules: mean, std, absmax, zero_frac or nonfinite of each output
@@ -193,14 +189,14 @@ class RankTrace(MemoryTables, StoredTensors):
             raise ValueError(f"unknown activation statistic {stat!r}; one of {ACTIVATION_STATS}")
         steps = self._sampled_steps("activations", ACTIVATION_STATS)
         idx, data = self._read_rows(f"activations/{stat}", rows, len(steps))
-        return self._frame(data, steps[idx], self.module_names)
+        return self._frame(data, steps[idx], self.module_names, f"activations/{stat}")
 
     def update_ratio(self, rows=None) -> pd.DataFrame:
         """Sampled steps x parameters: ||w_after - w_before|| / ||w_before|| of that step's update
         (``rows``: of the samples)."""
         steps = self._sampled_steps("updates", ("ratio",))
         idx, data = self._read_rows("updates/ratio", rows, len(steps))
-        return self._frame(data, steps[idx], self.param_names)
+        return self._frame(data, steps[idx], self.param_names, "updates/ratio")
 
     def sample_steps(self, table: str) -> np.ndarray:
         """The steps of a sampled table's rows (activations, updates); empty if absent."""
@@ -217,11 +213,7 @@ class RankTrace(MemoryTables, StoredTensors):
                 n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
-        steps = self._read(f"{table}/step", n)
-        if steps.ndim != 1:
-            raise TraceFormatError(f"{self.path}: {table}/step has shape {steps.shape}, not a list of steps; "
-                                   "the trace is damaged")
-        return steps
+        return self._read(f"{table}/step", n, ndim=1)
 
     def _n_rows(self, table: str, cols) -> int:
         """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
@@ -238,23 +230,19 @@ class RankTrace(MemoryTables, StoredTensors):
         with _open(self.path) as f:
             return name in f
 
-    def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = (),
+               ndim: int | None = None) -> dict[str, np.ndarray]:
         """All columns of a table, cut to the rows every column holds (a kill can leave one
         column a row longer); an absent table (older trace) reads as empty. Columns not in
-        ``texts`` must hold numbers."""
+        ``texts`` must hold numbers; all of ``ndim`` dimensions if given."""
         if not self._has(table):
             return {c: np.zeros(0) for c in cols}
         n = self._n_rows(table, cols)
-        return {c: self._read(f"{table}/{c}", n, text=c in texts) for c in cols}
+        return {c: self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim) for c in cols}
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
         """A table as a DataFrame, its text columns decoded."""
-        t = self._table(table, cols, texts)
-        for c, v in t.items():
-            if np.ndim(v) != 1:
-                raise TraceFormatError(f"{self.path}: {table}/{c} has shape {np.shape(v)}, not one value a row; "
-                                       "the trace is damaged")
-        df = pd.DataFrame(t)
+        df = pd.DataFrame(self._table(table, cols, texts, ndim=1))
         for c in texts:
             df[c] = _texts(df[c])
         return df
@@ -337,7 +325,6 @@ class RankTrace(MemoryTables, StoredTensors):
         sites = self.attention_sites
         if stat in per_head:
             self._site_extent(sites, "head_offset", "heads", f"attention/{stat}", 1)
-        if stat in per_head:
             cols = [f"{m}/h{h}" for m, n in zip(sites["module"], sites["heads"]) for h in range(int(n))]
         else:
             cols = [f"{m}#{c}" if c else m for m, c in zip(sites["module"], sites["call"])]
@@ -346,7 +333,7 @@ class RankTrace(MemoryTables, StoredTensors):
         width = len(cols)
         if data.shape[1] < width:  # rows written before later sites were seen
             data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
-        return self._frame(data[:, :width], t["step"], cols)
+        return self._frame(data[:, :width], t["step"], cols, f"attention/{stat}")
 
     @cached_property
     def census_groups(self) -> pd.DataFrame:

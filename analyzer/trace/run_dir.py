@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
-from .format import _RANK_FILE, STARTING_SUFFIX
+from .format import _RANK_FILE, STARTING_SUFFIX, rank_of_file
 from .rank import RankTrace
 
 class Trace:
@@ -38,7 +38,7 @@ def trace_files(path: str) -> list[str]:
             raise TraceNotFoundError(f"{path}: {started[min(started)]}")
         raise TraceNotFoundError(f"{path} holds no rank*.h5 trace files; give the run directory "
                                  "passed to Recorder(model, run_dir)")
-    return sorted(files, key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
+    return sorted(files, key=rank_of_file)
 
 
 def _died_starting(path: str) -> dict[str, str]:

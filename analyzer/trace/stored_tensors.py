@@ -139,9 +139,7 @@ class StoredTensors:
             return np.zeros(0, np.int64), [], np.zeros((0, 0, 0), np.int32)
         table, index = (("histogram_modules/module", self.module_names) if kind == "activation"
                         else ("histogram_params/param", self.param_names))
-        idx = self._read(table)
-        if idx.ndim != 1:
-            raise TraceFormatError(f"{self.path}: {table} has shape {idx.shape}, not a list; the trace is damaged")
+        idx = self._read(table, ndim=1)
         names = [index[i] if 0 <= i < len(index) else f"#{i}" for i in idx]
         steps = self.histogram_steps
         rows = np.arange(len(steps)) if rows is None else np.unique(np.asarray(rows, dtype=np.int64))
