@@ -240,6 +240,19 @@ class OutOfMemoryConfig:
 
 
 @dataclass(frozen=True)
+class LossScaleConfig:
+    # torch.amp.GradScaler's defaults: init_scale 2^16, backoff 0.5 per overflow, growth 2x after
+    # growth_interval=2000 clean steps. Below a scale of 1 the unscaled gradients overflow fp16
+    # (or are NaN) themselves: no scale can help.
+    min_scale: float = 1.0
+    # After the start-up, one overflow is one halving: 5 in a row means the gradients grew 32x
+    # past what fp16 holds within a few steps (healthy fp16 runs of ours skip 1 at a time).
+    consecutive_skips: int = 5
+    # A fall of 2^10 below the highest scale after the start-up: gradients 1000x larger.
+    max_drop: float = 1024.0
+
+
+@dataclass(frozen=True)
 class AnalysisConfig:
     exploding_gradients: ExplodingGradientsConfig = field(default_factory=ExplodingGradientsConfig)
     vanishing_gradients: VanishingGradientsConfig = field(default_factory=VanishingGradientsConfig)
@@ -255,3 +268,4 @@ class AnalysisConfig:
     saturation: SaturationConfig = field(default_factory=SaturationConfig)
     host_device_copies: HostDeviceCopiesConfig = field(default_factory=HostDeviceCopiesConfig)
     out_of_memory: OutOfMemoryConfig = field(default_factory=OutOfMemoryConfig)
+    loss_scale_collapse: LossScaleConfig = field(default_factory=LossScaleConfig)

@@ -33,6 +33,7 @@ from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
+from .schedule import OptimizerSchedule
 from .stats import Packer, l2_norm_values, l2_norms, takes_dots
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
@@ -91,8 +92,12 @@ class Recorder:
     def __init__(self, model: nn.Module, run_dir, **options):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Recorder needs a torch.nn.Module, got {type(model).__name__}")
+        # A GradScaler is an object, not an option: given here, or found at the first step.
+        scaler = options.pop("scaler", None)
         self.config = RecorderConfig.from_kwargs(**options)
         self.model = model
+        self.schedule = OptimizerSchedule({}, scaler)
+        self._sched = (math.nan, math.nan, -1, None)  # this step's (lr, loss scale, optimizer steps, rows)
         self.run_dir = os.fspath(run_dir)
         self.rank, self.world_size = _rank_and_world()
         self.path = os.path.join(self.run_dir, f"rank{self.rank}.h5")
@@ -245,6 +250,8 @@ class Recorder:
                                         self.config.profile_every, self._device)
         self.attention = AttentionTracker(self.watcher, self._fail)
         functional.attach(self)
+        self.schedule = OptimizerSchedule(self._param_index, self.schedule.scaler)
+        self.schedule.attach()
         if CudaMemoryRecorder.available(self._device):
             try:
                 self._attach_cuda_memory()
@@ -640,6 +647,7 @@ class Recorder:
                 self.activity.steps_watched += 1
             try:
                 t_called = time.perf_counter()
+                self._sched = self.schedule.end_step(self._step)
                 if not self._plain_step(loss, t_called):
                     self._record_step(loss, t_called)
             except Exception as e:
@@ -891,7 +899,10 @@ class Recorder:
             "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else math.nan,
             "backward_s": t_called - t_fwd_end if t_fwd_end is not None else math.nan,
             "recorder_s": now - t_called,
+            "lr": self._sched[0], "loss_scale": self._sched[1], "optimizer_steps": self._sched[2],
         }
+        if self._sched[3] is not None:
+            rows.update(self._sched[3])
         self._gc_s, self._gc_gen2, self._data_wait_s = 0.0, 0, 0.0
         self.writer.put(rows)
         if snapshot_task is not None:
@@ -912,7 +923,8 @@ class Recorder:
                 # Once an optimizer step of this model was seen, its pre-hook judges the
                 # gradients: NaN/Inf gradients it never saw were not applied (AMP's
                 # GradScaler skips such steps), and are no reason to fire.
-                "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer else
+                "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer
+                and not self.schedule.scaler_skipped() else
                 "activation_nonfinite" if mods["origin"] >= 0 else
                 "input_nonfinite" if mods["batch_nonfinite"] else None)
 
@@ -1004,6 +1016,7 @@ class Recorder:
             pass
 
     def _unhook(self) -> None:
+        self.schedule.remove()
         if getattr(self, "_opt_hook", None) is not None:
             self._opt_hook.remove()
             self._opt_hook = None

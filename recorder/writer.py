@@ -80,7 +80,24 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             # and how many full (generation 2) collections ran.
             Column("gc_s", "f4"),
             Column("gc_gen2", "i4"),
+            # The optimizer's schedule (schedule.py): the learning rate the step's update used
+            # (the first optimizer's first param group; NaN if none was seen), AMP's loss scale
+            # after the step (NaN without a GradScaler), and how many optimizer steps of the
+            # model ran (0: skipped, by the GradScaler or the loop; -1: no optimizer ever seen).
+            Column("lr", "f8"),
+            Column("loss_scale", "f4"),
+            Column("optimizer_steps", "i4"),
         ],
+        # Every numeric hyper-parameter of each param group (lr, momentum, betas.0, weight_decay,
+        # ...): a row when first seen and whenever it changes; a value holds until its next row.
+        "hyperparams": [
+            Column("step", "i8"),
+            Column("optimizer", "i4"),  # index into optimizers/
+            Column("group", "i4"),
+            Column("name", "str"),
+            Column("value", "f8"),
+        ],
+        "optimizers": [Column("optimizer", "i4"), Column("class", "str"), Column("first_step", "i8")],
         "params": [
             Column("grad_norm", "f4", n_params),
             Column("grad_absmax", "f4", n_params),

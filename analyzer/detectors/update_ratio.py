@@ -69,6 +69,8 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     rows = np.searchsorted(rt.step_index, upd.index.to_numpy())
     rows = np.minimum(rows, rt.n_steps - 1)
     keep = rt.step_index[rows] == upd.index.to_numpy()
+    # A step that ran no optimizer step (a GradScaler skip) moved nothing: not a sample of updates.
+    keep &= rt.steps["optimizer_steps"].to_numpy()[rows] != 0
     ratio = upd.to_numpy(dtype=np.float64)[keep]
     rows = rows[keep]
     sample_steps = upd.index.to_numpy()[keep]

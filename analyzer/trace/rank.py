@@ -395,9 +395,35 @@ class RankTrace(MemoryTables, StoredTensors):
             d.total_grad_norm[b] = tot
             d.grad_nonfinite[b] = counted.any(axis=1)
             d.param_nonfinite[b] = ~np.isfinite(w).all(axis=1)
+        # A step AMP's GradScaler skipped: its NaN/Inf gradients are the overflow of the scaled
+        # fp16 backward, never applied; the scaler's job, not a failure (loss_scale detector).
+        skipped = self.amp_skipped
+        if skipped.any():
+            d.grad_nonfinite[skipped] = False
+            d.total_grad_norm[skipped] = np.nan
         for arr in vars(d).values():
             arr.flags.writeable = False
         return d
+
+    @cached_property
+    def amp_skipped(self) -> np.ndarray:
+        """Per step: the GradScaler skipped it (a loss scale recorded, no optimizer step ran)."""
+        skipped = (self._step_column("optimizer_steps") == 0) & np.isfinite(self._step_column("loss_scale"))
+        skipped.flags.writeable = False
+        return skipped
+
+    @cached_property
+    def hyperparams(self) -> pd.DataFrame:
+        """The optimizers' hyper-parameters as recorded: a row (step, optimizer, group, name,
+        value) when first seen and whenever one changed; a value holds until its next row. Empty
+        for traces recorded before schema 2 held them. ``steps["lr"]`` has the first group's
+        learning rate at every step."""
+        return self._texts_table("hyperparams", ("step", "optimizer", "group", "name", "value"), ("name",))
+
+    @cached_property
+    def optimizers(self) -> pd.DataFrame:
+        """The model's optimizers, in the order first seen: optimizer (index), class, first_step."""
+        return self._texts_table("optimizers", ("optimizer", "class", "first_step"), ("class",))
 
     @cached_property
     def total_grad_norm(self) -> pd.Series:
@@ -468,6 +494,10 @@ _OPTIONAL_STEP_COLUMNS = {
     **dict.fromkeys(("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan),
     "gc_s": np.nan,  # time in garbage collection during the step
     "gc_gen2": -1,  # full (generation 2) collections during the step
+    # The optimizer's schedule (added to schema 2 later): NaN / -1 where not recorded.
+    "lr": np.nan,
+    "loss_scale": np.nan,
+    "optimizer_steps": -1,
 }
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)
