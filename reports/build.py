@@ -52,8 +52,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
         tasks.append((f"figure: {f.kind}", lambda i=i, f=f: figures.__setitem__(i, _finding_figure(ctx, f))))
     overview_figs: list[Figure] = []
     for name in overview.FIGURES:
-        tasks.append((f"overview: {name}", lambda name=name: overview_figs.append(_safe_figure(
-            name, lambda: overview.build(ctx, name)))))
+        tasks.append((f"overview: {name}", lambda name=name: overview_figs.extend(f for f in [_safe_figure(
+            name, lambda: overview.build(ctx, name))] if f is not None)))
     tasks.append(("overview: distributions", lambda: overview_figs.extend(_safe_figures(
         "distributions", lambda: distributions.figures(ctx) + distributions.snapshot_figures(ctx)))))
     tables: list[Table] = []

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from . import plots
+from . import plots, schedule
 from .context import Context, figure, no_figure, read_or_none
 from .model import Figure
 
@@ -20,10 +20,13 @@ TIMELINE_ROWS = 30
 MIB = 2**20
 
 # name -> builder; the overview shows them in this order.
-FIGURES = ("loss", "grad_heatmap", "update_ratios", "memory", "step_time", "timeline")
+FIGURES = ("loss", "learning_rate", "loss_scale", "grad_heatmap", "update_ratios", "memory", "step_time", "timeline")
 
 
-def build(ctx: Context, name: str) -> Figure:
+def build(ctx: Context, name: str) -> Figure | None:
+    """The overview's figure `name`; None where it has nothing to show (no GradScaler)."""
+    if name in ("learning_rate", "loss_scale"):
+        return getattr(schedule, name)(ctx)
     return globals()[f"_{name}"](ctx)
 
 

@@ -113,7 +113,8 @@ def bucket_edges(n: int, max_buckets: int) -> np.ndarray:
 def plot_lines(lines: Sequence[Line], ax, *, log: bool = False, ylabel: str = "",
                marks: Sequence[Mark] = (), hlines: Sequence[tuple[float, str, str, str]] = (),
                xspan: tuple[float, float] | None = None, nonfinite_at: Sequence[tuple[float, str]] = (),
-               legend: bool = True, ylim: tuple[float, float] | None = None, xlabel: str = "step") -> None:
+               legend: bool = True, ylim: tuple[float, float] | None = None, xlabel: str = "step",
+               nonfinite_label: str = "went NaN/Inf") -> None:
     """Lines over steps. Lines with ``emphasis`` are thick and coloured, the others thin, in a
     sequential colormap (early layers dark) or grey beside emphasised ones. NaN/Inf (and, on a log
     scale, values <= 0) leave gaps. ``hlines``: (y, label, colour, style); ``marks``: vertical lines
@@ -137,7 +138,7 @@ def plot_lines(lines: Sequence[Line], ax, *, log: bool = False, ylabel: str = ""
     if nonfinite_at:
         xs = [s for s, _ in nonfinite_at]
         ax.scatter(xs, [1.0] * len(xs), transform=ax.get_xaxis_transform(), marker="x", s=28,
-                   color=NONFINITE_COLOR, clip_on=False, zorder=5, label="went NaN/Inf")
+                   color=NONFINITE_COLOR, clip_on=False, zorder=5, label=nonfinite_label)
     if ylim is not None:
         ax.set_ylim(*ylim)
     _step_axis(ax, xspan, [ln.x for ln in lines], xlabel)

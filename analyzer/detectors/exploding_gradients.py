@@ -17,6 +17,7 @@ from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
 from ._missing import no_gradients
+from ._schedule import lr_context
 
 KIND = "exploding_gradients"
 REQUIRES = ("params/grad_norm",)
@@ -96,4 +97,8 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
                f"{evidence['baseline_steps'][0]}-{evidence['baseline_steps'][1]}) to {float(total[i]):.3g} "
                f"at step {step} ({float(ratio[i]):.3g}x), peaking at {evidence['peak_total_grad_norm']:.3g} "
                f"at step {evidence['peak_step']}{tail}; fastest growth in {', '.join(where) or 'all layers'}.")
+    lr_evidence, lr_clause = lr_context(rt, i)
+    evidence.update(lr_evidence)
+    if lr_clause:
+        summary = summary[:-1] + f"; it began {lr_clause}."
     return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]

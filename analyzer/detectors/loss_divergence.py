@@ -34,6 +34,7 @@ from ..config import LossDivergenceConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
+from ._schedule import lr_context
 
 KIND = "loss_divergence"
 REQUIRES = ("steps/loss",)
@@ -202,4 +203,8 @@ def _finding(rt, cfg, severity, cross, loss, tm, ref: _Reference, i_bad) -> Find
         worse = ", worse than at the start" if final > ref.start else ""
         tail = (f", and stayed up: {final:.4g}{_ratio(final, b)} over the last {cfg.window} "
                 f"steps{worse}.")
+    lr_evidence, lr_clause = lr_context(rt, onset)
+    ev.update(lr_evidence)
+    if lr_clause:
+        tail = tail[:-1] + f" The rise began {lr_clause}."
     return Finding(KIND, severity, step, [], head + tail, ev, ADVICE)

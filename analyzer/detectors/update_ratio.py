@@ -32,6 +32,7 @@ from ..config import UpdateRatioConfig
 from ..findings import Finding
 from ..series import sample_rows, trailing_median
 from ..trace import RankTrace
+from ._schedule import lr_context
 
 KIND = "update_ratio"
 REQUIRES = ("updates/ratio", "params/param_norm", "params/grad_norm")
@@ -173,4 +174,9 @@ def _finding(rt, hits: dict, direction: str, threshold: float, context: dict, he
                f"{first['median']:.3g} over steps {first['window_steps'][0]}-{first['window_steps'][1]}, "
                f"{side} {threshold:g} (~1e-3 is usual; {len(names)} of {context['weights_judged']} "
                f"weight tensors), since step {step}.")
+    row = int(np.clip(np.searchsorted(rt.step_index, step), 0, max(rt.n_steps - 1, 0)))
+    lr_evidence, lr_clause = lr_context(rt, row) if rt.n_steps else ({}, "")
+    evidence.update(lr_evidence)
+    if lr_clause and direction == "too_large":
+        summary = summary[:-1] + f"; it began {lr_clause}."
     return Finding(KIND, "warning", step, names, summary, evidence, advice)

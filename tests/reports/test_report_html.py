@@ -61,12 +61,13 @@ def test_healthy_run_says_no_problem_and_what_was_checked(healthy):
 
 def test_overview_and_appendix(healthy):
     html = render_html(healthy, [])
-    for title in ("Loss", "Gradient norm per layer and step", "Update-to-weight ratios", "Memory",
-                  "Step time by phase", "Timeline of the findings", "What the trace holds",
+    for title in ("Loss", "Learning rate", "Gradient norm per layer and step", "Update-to-weight ratios",
+                  "Memory", "Step time by phase", "Timeline of the findings", "What the trace holds",
                   "Parameters", "Modules"):
         assert f">{title}</h" in html, title
+    assert ">AMP loss scale</h" not in html  # no GradScaler: no figure for it
     pngs = images(html)
-    assert len(pngs) == 5  # all but the timeline, which has no finding to draw
+    assert len(pngs) == 6  # all but the timeline, which has no finding to draw
     for png in pngs:
         assert png.startswith(_PNG_SIGNATURE) and png.endswith(b"IEND\xaeB`\x82")
     assert "No finding has a step to place on a timeline." in html
