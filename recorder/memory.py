@@ -1,17 +1,24 @@
-"""Per-step memory readings that cost no device synchronisation."""
+"""Per-step memory readings that cost no device synchronisation.
+
+Resident memory is read the cheapest way each platform has (RSS_SOURCE names it, and the trace
+keeps that name): Linux /proc/self/statm (now); macOS the Mach task's basic info (now);
+Windows the working set from GetProcessMemoryInfo (now); elsewhere getrusage's ru_maxrss, the
+peak so far (kilobytes on Linux and the BSDs, bytes on macOS); -1 ("not measured") where none
+works. No POSIX-only module is needed to import this (resource is optional).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import os
-import resource
 import sys
 
 import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_HAS_PROC = os.path.exists("/proc/self/statm")
+_HAS_PROC = os.path.exists("/proc/self/statm") and hasattr(os, "pread")
 
 
 _statm: int | None = None  # fd of this process's /proc/<pid>/statm, kept open
@@ -32,19 +39,102 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_statm)
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux), else its peak (macOS, BSD).
-
-    On Linux /proc/<pid>/statm stays open and is re-read with pread: one system call a step.
+def _rss_statm() -> int:
+    """Linux. /proc/<pid>/statm stays open and is re-read with pread: one system call a step.
     An open() and close() per step cost ~50 us more, right after a training step, and a
     getpid() per step to notice a fork (now an at-fork handler) a few us (measured)."""
     global _statm
+    if _statm is None:
+        _statm = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    return int(os.pread(_statm, 128, 0).split()[1]) * _PAGE
+
+
+def _mach_reader():
+    """macOS: task_info(mach_task_self(), MACH_TASK_BASIC_INFO) as a function, or None.
+
+    struct mach_task_basic_info (packed to 4 bytes): virtual_size, resident_size,
+    resident_size_max (uint64 each), user_time, system_time (2 x int32 each), policy,
+    suspend_count (int32): 12 words; resident_size is bytes 8-16."""
+    libc = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+    task = ctypes.c_uint32.in_dll(libc, "mach_task_self_").value  # what mach_task_self() returns
+    task_info = libc.task_info
+    task_info.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+    task_info.restype = ctypes.c_int
+    info, count = (ctypes.c_uint32 * 12)(), ctypes.c_uint32(12)
+    MACH_TASK_BASIC_INFO = 20
+
+    def read() -> int:
+        count.value = 12
+        if task_info(task, MACH_TASK_BASIC_INFO, info, ctypes.byref(count)) != 0:  # KERN_SUCCESS
+            return -1
+        return info[2] | (info[3] << 32)
+
+    return read
+
+
+def _windows_reader():
+    """Windows: the working set (PROCESS_MEMORY_COUNTERS.WorkingSetSize) as a function, or None."""
+    from ctypes import wintypes
+
+    class Counters(ctypes.Structure):
+        _fields_ = [("cb", wintypes.DWORD), ("PageFaultCount", wintypes.DWORD)] + [
+            (n, ctypes.c_size_t) for n in ("PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage",
+                                           "QuotaPagedPoolUsage", "QuotaPeakNonPagedPoolUsage",
+                                           "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage")]
+
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+    get = kernel32.K32GetProcessMemoryInfo  # (psapi's GetProcessMemoryInfo, in kernel32 since Windows 7)
+    get.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters), wintypes.DWORD]
+    get.restype = wintypes.BOOL
+    process, counters = kernel32.GetCurrentProcess(), Counters()
+    counters.cb = ctypes.sizeof(Counters)
+
+    def read() -> int:
+        return int(counters.WorkingSetSize) if get(process, ctypes.byref(counters), counters.cb) else -1
+
+    return read
+
+
+def _peak_reader():
+    """Elsewhere: getrusage's ru_maxrss, the peak resident memory so far (not now)."""
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kilobytes on Linux and the BSDs
+
+    def read() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+    return read
+
+
+def _choose():
+    """(reader, name): the first that works here, tried once at import."""
     if _HAS_PROC:
-        if _statm is None:
-            _statm = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        return int(os.pread(_statm, 128, 0).split()[1]) * _PAGE
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+        return _rss_statm, "statm"
+    tries = []
+    if sys.platform == "darwin":
+        tries.append((_mach_reader, "mach_task_basic_info"))
+    if sys.platform == "win32":
+        tries.append((_windows_reader, "working_set"))
+    tries.append((_peak_reader, "ru_maxrss_peak"))
+    for make, name in tries:
+        try:
+            read = make()
+            if read() > 0:
+                return read, name
+        except Exception:  # (ImportError, OSError, AttributeError: not on this platform)
+            continue
+    return (lambda: -1), "none"
+
+
+_read_rss, RSS_SOURCE = _choose()
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now, in bytes (the peak where only that can be read,
+    -1 where nothing can: RSS_SOURCE says which)."""
+    return _read_rss()
 
 
 def cuda_bytes(device: torch.device | None) -> tuple[int, int, int]:

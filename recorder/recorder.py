@@ -31,7 +31,7 @@ from .config import RecorderConfig
 from .cuda_memory import CudaMemoryRecorder, is_out_of_memory, raise_site, requested_bytes
 from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
-from .memory import cuda_bytes, rss_bytes, tensor_census
+from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
 from .schedule import OptimizerSchedule
 from .stats import Packer, l2_norm_values, l2_norms, takes_dots
@@ -46,6 +46,7 @@ _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
 _NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
 _NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
+_WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
 # Resident memory is read again at a step once this long has passed since the last reading;
 # faster steps repeat it. A reading is a system call on /proc: ~25 us right after a training
 # step (measured), 0.13% of the 20 ms step of benchmarks/'s MLP; a leak or a peak shows the same.
@@ -101,6 +102,11 @@ class Recorder:
         self.run_dir = os.fspath(run_dir)
         self.rank, self.world_size = _rank_and_world()
         self.path = os.path.join(self.run_dir, f"rank{self.rank}.h5")
+        other = _WRITING.get(os.path.abspath(self.path), lambda: None)()
+        if other is not None and other._active:  # (the second would pass for a restart of the first's rank)
+            raise ValueError(f"another Recorder in this process records rank {self.rank} into {self.run_dir}: "
+                             "give each model its own run directory")
+        _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
         self._step = 0
         self._active = False
         self._closed = False
@@ -206,6 +212,7 @@ class Recorder:
             "start_time": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(timespec="seconds"),
             "start_unix": now,
             "device": str(self._device),
+            "rss_source": RSS_SOURCE,  # how steps/rss_bytes was read here (memory.py): "statm" is Linux's
             "model_class": type(self.model).__name__,
             "model_summary": str(self.model)[:_MAX_SUMMARY_CHARS],
             "n_parameters": int(sum(p.numel() for p in self._params)),
@@ -283,6 +290,7 @@ class Recorder:
             self.watcher.sample_modules = {i: names[i] for i in chosen}
         if cfg.blackbox:
             self.blackbox = BlackBox(self.model, self._fail)
+            self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in _norms)
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             self._opt_hook = register_optimizer_step_pre_hook(self._pre_optimizer_step)
 
@@ -295,9 +303,24 @@ class Recorder:
             self.writer.put_task(task)
 
     def _pre_optimizer_step(self, optimizer, args, kwargs):
-        """Before any optimizer's step (a global hook; others' optimizers are ignored): compute
-        the gradient norms rec.step() records (once, here, reused there) and, if one is NaN/Inf,
-        fire the black box while the parameters are still those the bad step started from."""
+        """Before any optimizer's step (a global hook): before_optimizer_step(). Not for a step
+        given a closure (Lightning, LBFGS): its forward and backward run inside optimizer.step(),
+        after this hook, which would judge the last step's gradients. Lightning's callback calls
+        before_optimizer_step() once the closure's backward is done; elsewhere such a step's
+        gradients are measured at rec.step(), and a NaN in them fires the black box there."""
+        if callable(kwargs.get("closure", args[0] if args else None)):
+            return None
+        self.before_optimizer_step(optimizer)
+        return None
+
+    def before_optimizer_step(self, optimizer) -> None:
+        """Call after the step's backward, before ``optimizer.step()`` updates the parameters,
+        where the global optimizer hook cannot: an optimizer stepped with a closure (Lightning's
+        callback calls it; a loop of its own calls it at the end of its closure). Computes the
+        gradient norms rec.step() records (once, here, reused there) and, if one is NaN/Inf,
+        fires the black box while the parameters are still those the bad step started from.
+        Optimizers of other models are ignored, and so are gradients judged already this step
+        (the global hook after a call here)."""
         if not self._active or self.blackbox is None or not self.blackbox.armed:
             return None
         try:
@@ -305,6 +328,15 @@ class Recorder:
             if not params:
                 return None  # not an optimizer of the watched model
             grads = list(map(_GRAD, params))
+            seen = self._handled_at.get(id(optimizer))
+            if seen is not None and seen[0] == self._step and seen[1] < len(self._norms):
+                # Judged already this step: nothing new to see unless the gradients changed
+                # since (other tensors, or written in place: a closure's backward run again).
+                _, judged, versions = self._norms[seen[1]][:3]
+                kept = [g for g in grads if g is not None and not g.is_sparse]
+                if (len(kept) == len(judged) and all(map(operator.is_, kept, judged))
+                        and list(map(_VERSION, kept)) == versions):
+                    return None
             # One host sync, here rather than at rec.step(). No no_grad() (~15 us): gradients
             # made with backward(create_graph=True) give a norm that records a graph node,
             # dropped with it at once. Each check of the gradients is a pass over them, a few
@@ -323,6 +355,7 @@ class Recorder:
             # norms are >= 0 and below ~2e19, so their sum is finite exactly when each is)
             finite = math.isfinite(sum(values))
             self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))
+            self._handled_at[id(optimizer)] = (self._step, len(self._norms) - 1)
             if finite:
                 return None
             with torch.no_grad():
@@ -1081,6 +1114,7 @@ class Recorder:
                     "closed": True, "end_reason": reason, "end_unix": time.time(),
                     "n_steps_recorded": self._step,
                     **({"snapshot_note": self.snapshots.skipped} if self.snapshots and self.snapshots.skipped else {}),
+                    **(self.profiler.note() if self.profiler is not None else {}),
                 })
             self._prev_weights = None
             self._w_buf = []

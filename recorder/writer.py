@@ -14,7 +14,10 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import resource
+try:
+    import resource  # POSIX only: the file-size limit (RLIMIT_FSIZE)
+except ImportError:  # Windows
+    resource = None
 import threading
 import time
 import warnings
@@ -706,9 +709,10 @@ def _free_bytes(path: str) -> float:
         free = float(st.f_bavail * st.f_frsize)
     except (OSError, AttributeError):
         free = float("inf")
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if soft != resource.RLIM_INFINITY:
-        free = min(free, soft - os.path.getsize(path))
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY:
+            free = min(free, soft - os.path.getsize(path))
     return free
 
 

@@ -1,0 +1,3 @@
+"""``Trainer(..., callbacks=[TorchAutopsyCallback("runs/exp1")])`` for transformers (imports it)."""
+
+from .recorder.integrations.huggingface import TorchAutopsyCallback  # noqa: F401

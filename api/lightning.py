@@ -1,0 +1,3 @@
+"""``Trainer(callbacks=[TorchAutopsyCallback("runs/exp1")])`` for ``lightning`` (imports it)."""
+
+from .recorder.integrations.lightning import LightningCallback as TorchAutopsyCallback  # noqa: F401
