@@ -10,35 +10,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from torch import nn
 
 from tests.helpers import run_cli
+from tests.recorder.recorder_testlib import Net
 
 BAD_STEP = 7  # not a watched step (0, 10, 20, ...): the recorder replays it to find the module
 N_STEPS = 12
 
 
-class Exp(nn.Module):
-    """exp() of its input: overflows to +Inf when an input element exceeds ~88."""
-
-    def forward(self, x):
-        return torch.exp(x)
-
-
-class Body(nn.Module):
-    """Linear -> Exp -> BatchNorm (buffers) -> ReLU -> Linear -> Linear, finite for ordinary
-    batches; a batch scaled by 1e3 (bad_batch) makes `expo` overflow, and BatchNorm turns Inf into NaN."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.expo = Exp()
-        self.bn = nn.BatchNorm1d(16)
-        self.fc2 = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(self.fc2(torch.relu(self.bn(self.expo(self.fc1(x))))))
+# The black-box tests' model: a batch scaled by 1e3 makes `expo` overflow, BatchNorm turns Inf into NaN.
+Body = Net
 
 
 def batch(i: int, bad: int | None = BAD_STEP, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

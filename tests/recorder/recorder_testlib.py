@@ -11,6 +11,29 @@ import torch.nn.functional as F
 
 
 # -- models -----------------------------------------------------------------------------------
+class Exp(nn.Module):
+    """exp() of its input: overflows to +Inf when an input element exceeds ~88."""
+
+    def forward(self, x):
+        return torch.exp(x)
+
+
+class Net(nn.Module):
+    """Linear -> Exp -> BatchNorm (buffers in its state_dict) -> ReLU -> Linear -> Linear. Finite
+    for ordinary batches; a batch scaled by 1e3 makes Exp overflow, and BatchNorm turns Inf into NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.expo = Exp()
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.fc2(torch.relu(self.bn(self.expo(self.fc1(x))))))
+
+
 def make_mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(),
