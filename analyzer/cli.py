@@ -20,6 +20,7 @@ from .display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
 from .errors import ConfigError, TraceError
 from .findings import SEVERITIES, Finding, first_to_go_wrong
 from .output import check_outputs, write_output
+from .restarts import attempt_lines, blackbox_lines, restart_lines
 from .run import analyze as run_detectors
 from .series import spacing
 from .trace import Trace, load
@@ -184,6 +185,8 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         progress.close()
 
     click.echo(f"torchautopsy: {trace.run_dir}: {_describe_run(trace)}")
+    for line in restart_lines(trace):  # a job restarted into the directory (restarts.py)
+        click.echo(f"  {shorten_words(line, NAME_CHARS, INFO_TEXT_CHARS)}")
     for rt in trace.ranks.values():
         if not rt.closed_cleanly:
             click.echo(f"  note: rank {rt.rank} did not close its trace (job killed?); "
@@ -202,6 +205,8 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     if findings:
         click.echo(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n))
     _blackbox_lines(trace)
+    for line in blackbox_lines(trace):  # of attempts before a rank's last
+        click.echo(line)
 
     if json_path:
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
@@ -302,7 +307,7 @@ def info(run_dir):
     """Describe RUN_DIR: ranks, steps, time span, what was recorded, size, versions."""
     trace = _load(run_dir)
     click.echo(f"run directory  {trace.run_dir}")
-    click.echo(f"size on disk   {_human_bytes(trace.size_bytes)} in {len(trace.ranks)} file(s)")
+    click.echo(f"size on disk   {_human_bytes(trace.size_bytes)} in {trace.n_files} file(s)")
     for rt in trace.ranks.values():
         m = rt.meta
         steps = rt.step_index
@@ -319,6 +324,8 @@ def info(run_dir):
                       if m.get("end_reason") else ""))
         click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from "
                    f"{shorten(m.get('start_time', '?'))}")
+        for line in attempt_lines(trace, rt.rank):  # a restarted rank: its attempts, one timeline
+            click.echo(f"  {shorten_words(line, NAME_CHARS, INFO_TEXT_CHARS)}")
         click.echo(f"  model        {shorten(m.get('model_class', '?'), TITLE_CHARS)}, "
                    f"{m.get('n_parameters', 0):,} parameters")
         click.echo(f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
@@ -329,6 +336,12 @@ def info(run_dir):
             spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
             click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
                        f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
+        if isinstance(m.get("profile_note"), str):  # windows deferred, skipped or lost (several Recorders)
+            click.echo(f"  {shorten_words('profiler note: ' + m['profile_note'], NAME_CHARS, INFO_TEXT_CHARS)}")
+        shards = int((rt.param_shards > 1).sum())
+        if shards:
+            click.echo(f"  sharded      {shards} parameter tensor(s) split across ranks (FSDP2): this file holds "
+                       f"rank {rt.rank}'s shards; analyze combines the ranks")
         snaps = rt.memory_snapshots
         if len(snaps):
             at = ", ".join(f"{int(x):,}" for x in snaps["step"][:8])
@@ -355,6 +368,8 @@ def info(run_dir):
                    f"python {shorten(m.get('python_version', '?'))}")
     for path, reason in trace.unreadable.items():
         click.echo(f"\nunreadable     {shorten_words(reason, width=INFO_TEXT_CHARS)}")
+    for _, note in trace.notes:
+        click.echo(f"\nnote           {shorten_words(note, NAME_CHARS, INFO_TEXT_CHARS)}")
 
 
 @cli.command()

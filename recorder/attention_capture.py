@@ -8,7 +8,9 @@ module's weights. Calls of
 ``F.scaled_dot_product_attention`` anywhere inside the model are seen by a wrapper (see
 functional.py) and named after the innermost module whose forward made them. Either way the
 probabilities are computed from the same inputs, under ``no_grad``, on a slice of the batch
-(attention.py); the model's own call runs exactly as it would without us.
+(attention.py); the model's own call runs exactly as it would without us. Under
+``torch.compile`` nothing is captured: the hooks and the wrapper only call through while Dynamo
+traces (see functional.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from .attention import head_similarity, head_stats, mha_probs, sdpa_probs
-from .functional import call_arg
+from .functional import call_arg, compiling
 from .stats import Packer
 
 
@@ -60,7 +62,7 @@ class AttentionTracker:
 
     def _make_mha_hook(self):
         def pre_hook(module, args, kwargs):
-            if not self.sampled:
+            if compiling() or not self.sampled:  # (not traced: see hooks.py)
                 return None
             try:
                 frame = self.watcher.current()
@@ -94,7 +96,7 @@ class AttentionTracker:
         """After a MultiheadAttention call: if it made no scaled_dot_product_attention call that
         was seen (another path of torch's), recompute its probabilities now. The weights are
         those of the call: a forward does not change them."""
-        if not self._pending:
+        if compiling() or not self._pending:
             return None
         try:
             for index, pending in list(self._pending.items()):

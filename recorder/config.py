@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 
@@ -82,6 +83,13 @@ class RecorderConfig:
     queue_size: int = 1024
     # Flush and close the trace on SIGTERM (cluster pre-emption), then let the signal go on.
     handle_sigterm: bool = True
+    # The number of the first rec.step() of this Recorder: a job restarted from a checkpoint
+    # passes the step it resumes at, so that its steps line up with the earlier attempt's (each
+    # attempt writes its own file, rank{N}.attempt{K}.h5 after rank{N}.h5; recorder/resume.py).
+    # None: 0 for a first attempt; on a restart (an earlier attempt's trace is in run_dir), the
+    # step count an optimizer of the model restored from its checkpoint, read at its first step
+    # (Adam, AdamW, RMSprop, Adagrad... keep one, SGD does not), else 0.
+    start_step: int | None = None
     # Parameter snapshots (parameters and persistent buffers, keys as in model.state_dict()): the
     # weights at step 0, then at the start of every `snapshot_every`-th step, and the final ones at
     # close. Each costs one copy of the model to the host (on CUDA a sync) on its step only: every
@@ -183,6 +191,15 @@ class RecorderConfig:
             if not all(isinstance(m, str) for m in mods):
                 raise ValueError(f"Recorder option sample_modules must be module names, got {self.sample_modules!r}")
             object.__setattr__(self, "sample_modules", tuple(mods))
+        if self.start_step is not None:
+            try:  # (a numpy or 0-d tensor integer read from a checkpoint is taken as a plain int)
+                start = None if isinstance(self.start_step, bool) else operator.index(self.start_step)
+            except TypeError:
+                start = None
+            if start is None or start < 0:
+                raise ValueError(f"Recorder option start_step must be an integer >= 0 (or None: from the "
+                                 f"optimizer's state), got {self.start_step!r}")
+            object.__setattr__(self, "start_step", start)
         if not self.flush_every_s > 0:
             raise ValueError(f"Recorder option flush_every_s must be > 0, got {self.flush_every_s!r}")
 

@@ -12,6 +12,15 @@ element is NaN and +-Inf if any is infinite. A module *produced* a NaN/Inf (rath
 one on) when its output is non-finite while its inputs were not; inputs that are the output of a
 module already seen this step reuse that module's result, so in the common case (a chain of
 modules) inputs cost nothing.
+
+Under ``torch.compile`` every hook returns at once while Dynamo traces it (``compiling()`` is a
+constant there, see functional.py): a compiled forward runs the graph it would run without the
+recorder and no hook runs in it, so its modules are not measured (-1, as on unwatched steps), nor
+its time split. Dynamo still guards on how many hooks a module has, and would compile the model
+again when hooks come or go; so once the root's forward has run compiled, the per-module hooks stay
+as they are (watch) and the model is compiled once, as without the recorder (measured:
+benchmarks/compile_cost.py). A submodule compiled on its own is not noticed: it is compiled twice
+(with and without the hooks), and Dynamo keeps both.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .functional import compiling
 from .histograms import histogram
 from .stats import Packer, activation_stats, combine_stats, floating_tensors
 
@@ -46,6 +56,9 @@ class ModuleWatcher:
         self.stack: list[list] = []
         self._handles = []  # the per-module hooks, while watching
         self.watching = False
+        # The root's forward ran as torch.compile'd code (set by _timing_pre_hook): hooks seen
+        # by Dynamo no longer come and go (watch).
+        self.compiled = False
         # Also check forward passes under no_grad (the replay of a step runs under no_grad).
         self.check_no_grad = False
         # The step's timing needs only the root module, hooked on every step.
@@ -79,23 +92,37 @@ class ModuleWatcher:
 
     def watch(self, on: bool) -> None:
         """Hook every module (a watched step), or only the root's timing (other steps)."""
-        if on and not self.watching:
+        # Once the model's forward has run compiled, the hooks stay as they were when it was
+        # compiled: Dynamo guards on their number, and adding or removing them would compile it
+        # again (see the module's docstring). Those left in place check `watching`.
+        if not self.compiled:
+            self._hook_modules(on)
+        self.watching = on
+
+    def _hook_modules(self, on: bool) -> None:
+        if on and not self._handles:
             for i, m in enumerate(self.modules):
                 # First of the module's pre-hooks (registered long after the others): they see
                 # this module as the one running (the attention capture's, for one).
                 self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i), prepend=True))
                 self._handles.append(m.register_forward_hook(self._make_hook(i)))
-        elif not on and self.watching:
+        elif not on and self._handles:
             for h in self._handles:
                 h.remove()
             self._handles = []
-        self.watching = on
 
     def _timing_pre_hook(self, module, args):
+        if compiling():
+            # Not run here but replayed by the compiled code after each call (Dynamo keeps a
+            # traced attribute store as a side effect): the forward ran compiled.
+            self.compiled = True
+            return
         if self.t_forward_start is None:
             self.t_forward_start = time.perf_counter()
 
     def _timing_hook(self, module, args, output):
+        if compiling():
+            return
         self.t_forward_end = time.perf_counter()
 
     def producer(self, x) -> int:
@@ -134,7 +161,8 @@ class ModuleWatcher:
         return len(self._stats) - 1
 
     def remove(self) -> None:
-        self.watch(False)
+        self._hook_modules(False)
+        self.watching = False
         for h in self._timing_handles:
             h.remove()
         self._timing_handles = []
@@ -160,6 +188,8 @@ class ModuleWatcher:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
+            if compiling() or not self.watching:
+                return
             # Inputs are checked before the forward runs: a module that writes NaN into its
             # input in place (x.mul_(nan)) must be seen receiving finite inputs.
             ins = None
@@ -176,6 +206,8 @@ class ModuleWatcher:
 
     def _make_hook(self, index: int):
         def hook(module, args, output):
+            if compiling() or not self.watching:
+                return
             # Pop this module's frame (and any left by a forward that raised inside it).
             frame = None
             while self.stack:

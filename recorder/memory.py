@@ -161,12 +161,14 @@ CENSUS_GROUPS_BY_COUNT = 8
 
 
 def _tensor_types() -> set[type]:
-    """torch.Tensor and every subclass of it defined so far (Parameter, Buffer, users' own)."""
+    """torch.Tensor and every subclass of it defined so far (Parameter, Buffer, users' own), but
+    the compiler's own (FakeTensor, FunctionalTensor: torch._subclasses), which hold no memory,
+    and whose data_ptr() makes torch warn: a compiled graph keeps some alive."""
     found: set[type] = set()
     todo = [torch.Tensor]
     while todo:
         t = todo.pop()
-        if t not in found:
+        if t not in found and not t.__module__.startswith("torch._subclasses"):
             found.add(t)
             todo.extend(type.__subclasses__(t))
     return found

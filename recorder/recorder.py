@@ -33,6 +33,7 @@ from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
+from . import optimizer_hooks, resume, sharding
 from .schedule import OptimizerSchedule
 from .stats import Packer, l2_norm_values, l2_norms, takes_dots
 from .tensors import BlackBox, Samples, Snapshots
@@ -41,7 +42,6 @@ from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 _MAX_SUMMARY_CHARS = 65536
 # Per-parameter reads done by map() in C: right after a training step each line of Python runs
 # cold, and a generator over the parameters costs several us more than these (measured).
-_GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
 _NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
@@ -107,7 +107,7 @@ class Recorder:
             raise ValueError(f"another Recorder in this process records rank {self.rank} into {self.run_dir}: "
                              "give each model its own run directory")
         _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
-        self._step = 0
+        self._step = resume.first_step(self)  # start_step=, or a resumed optimizer's count (resume.py)
         self._active = False
         self._closed = False
         self._failed_once = False
@@ -164,6 +164,9 @@ class Recorder:
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        # FSDP2 (DTensor) parameters are measured by their local shard: no collective (sharding.py).
+        self._sharded = any(map(sharding.is_sharded, self._params))
+        self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._all_index = list(range(len(self._params)))
         self._param_name_by_id = {id(p): n for n, p in named}
@@ -226,6 +229,8 @@ class Recorder:
                 "shape": ([json.dumps(list(p.shape)) for p in self._params], "str"),
                 "numel": ([int(p.numel()) for p in self._params], "i8"),
                 "dtype": ([str(p.dtype).replace("torch.", "") for p in self._params], "str"),
+                # >1: a sharded (FSDP2) parameter, measured by this rank's shard (sharding.py)
+                "shards": ([sharding.shards(p) for p in self._params], "i8"),
             },
             "modules": {
                 "name": (self.watcher.names, "str"),
@@ -250,6 +255,7 @@ class Recorder:
             flush_every_s=self.config.flush_every_s, write_every_steps=self.config.write_every_steps,
             queue_size=self.config.queue_size,
         )
+        self.path = self.writer.path  # rank{N}.h5, or rank{N}.attempt{K}.h5 after earlier attempts
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self._unwatched = self.watcher.finish_step({}, n_modules)
         self.activity = ActivityTracker(self.watcher, self.config.activity_window)
@@ -267,10 +273,7 @@ class Recorder:
         self._attach_gc()
         self._setup_tensors()
         self._active = True
-        self._set_schedule(0)
-        self.profiler.begin(0)
-        if self.snapshots is not None and self.snapshots.due(0):
-            self._snapshot(0)
+        resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
 
     def _setup_tensors(self) -> None:
         """Snapshots, sampled tensors and the black box (tensors.py)."""
@@ -291,8 +294,7 @@ class Recorder:
         if cfg.blackbox:
             self.blackbox = BlackBox(self.model, self._fail)
             self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in _norms)
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-            self._opt_hook = register_optimizer_step_pre_hook(self._pre_optimizer_step)
+            self._opt_hook = optimizer_hooks.on_pre_step(self._pre_optimizer_step)
 
     def _snapshot(self, step: int) -> None:
         task = self.snapshots.take(step)
@@ -327,7 +329,7 @@ class Recorder:
             index, params, dots = self._optimized(optimizer)
             if not params:
                 return None  # not an optimizer of the watched model
-            grads = list(map(_GRAD, params))
+            grads = list(map(self._grad_of, params))
             seen = self._handled_at.get(id(optimizer))
             if seen is not None and seen[0] == self._step and seen[1] < len(self._norms):
                 # Judged already this step: nothing new to see unless the gradients changed
@@ -398,7 +400,7 @@ class Recorder:
         entries = self._norms
         if not entries:
             return None
-        now = list(map(_GRAD, self._params))
+        now = list(map(self._grad_of, self._params))
         if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
             _, grads, versions, values, finite = entries[0]
             ok = finite and all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
@@ -736,7 +738,7 @@ class Recorder:
             self.blackbox.check_rng()
         pk = Packer()
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
-            grads = [p.grad for p in self._params]
+            grads = list(map(self._grad_of, self._params))
             has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
             present = [grads[i] for i in has]
             # float32 norms (a float64 accumulation costs 13x on CPU, measured); a finite norm
@@ -758,7 +760,7 @@ class Recorder:
             measure_w = watched or step + 1 == self._next_update
             do_update = self._prev_weights is not None and step == self._sampled_step
             update_den = None
-            weights = [p.detach() for p in self._params] if measure_w or do_update else None
+            weights = self._weights() if measure_w or do_update else None
             if weights:
                 if measure_w:
                     pk.add("param_norm", l2_norms(weights))
@@ -774,7 +776,7 @@ class Recorder:
                     pk.add("update_num", l2_norms(self._prev_weights))
             hist = self.watcher.sample_histograms and bool(self._hist_params)
             if hist:
-                pk.add("hist_w", [histogram(self._params[i]) for i in self._hist_params])
+                pk.add("hist_w", [histogram(sharding.local(self._params[i])) for i in self._hist_params])
                 pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
                                   else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
                                   for i in self._hist_params])
@@ -804,7 +806,7 @@ class Recorder:
                 if present:
                     self._add_grad_range(extra, present)
                 if self._params and "param_norm" not in host:
-                    weights = [p.detach() for p in self._params]
+                    weights = self._weights()
                     extra.add("param_norm", l2_norms(weights))
                 host.update(extra.fetch())
             grad_norm = None if present and len(has) == n_params else np.full(n_params, np.nan)
@@ -844,7 +846,8 @@ class Recorder:
         if not watched and bad_step and self._trigger(loss_value, grad_bad, mods) is not None:
             self._replay()  # a NaN/Inf no optimizer step saw first: find its module now
         if self._replayed is not None and self._replayed.get("reproduced"):
-            mods = {k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")}
+            mods = {**mods, **{k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")
+                               if k in self._replayed}}
         if self._params:
             self._device = self._params[0].device
         rows = {
@@ -1016,10 +1019,16 @@ class Recorder:
             return None
         return task
 
+    def _weights(self) -> list[torch.Tensor]:
+        """The parameters' values (each rank's shard of a sharded one), detached."""
+        if self._sharded:
+            return [sharding.local(p.detach()) for p in self._params]
+        return [p.detach() for p in self._params]
+
     def _copy_weights(self) -> list[torch.Tensor]:
         """The weights now, copied into _w_buf (allocated again only if the model moved)."""
         with torch.no_grad():
-            weights = [p.detach() for p in self._params]
+            weights = self._weights()
             buf = self._w_buf
             if len(buf) != len(weights) or any(b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
                                                for b, w in zip(buf, weights)):

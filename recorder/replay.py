@@ -12,8 +12,9 @@ The user's model is never touched: the copy is a ``copy.deepcopy`` without any o
 (the user's or ours), it runs under ``no_grad`` inside ``torch.random.fork_rng`` (the
 training's RNG streams are left where they were), and it is dropped afterwards. It costs one
 copy of the model and one forward pass, once per run (the black box fires once). A model that
-cannot be deep-copied (a DistributedDataParallel wrapper, a module holding non-leaf tensors), or
-a copy that does not reproduce the NaN/Inf, leaves the origin to the next watched step.
+cannot be deep-copied (a module holding non-leaf tensors), or a copy that does not reproduce the
+NaN/Inf, leaves the origin to the next watched step. A distributed model (DDP, FSDP2) is not
+replayed: its forward would wait for the other ranks; its inputs are checked instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from .hooks import ModuleWatcher
+from .sharding import is_sharded, local
 from .stats import Packer
 
 def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list, buffer_copies: list) -> dict:
@@ -34,6 +36,13 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
     happened, in words. Only a reproduced row describes the step."""
     if not inputs:
         return {"replay": "no forward call of the model was seen on this step"}
+    if _distributed(model):
+        # Its forward would talk to the other ranks (FSDP2 gathers its shards, DDP syncs
+        # buffers), which are not replaying: a hang. Only the inputs are checked.
+        if any(_nonfinite(x) for args, kwargs in inputs for x in (*args, *kwargs.values())):
+            return {"origin": -1, "batch_nonfinite": 1, "reproduced": True,
+                    "replay": "the input batch (a distributed model is not replayed; its inputs were checked)"}
+        return {"replay": "not replayed: the forward of a distributed (DDP, FSDP2) model talks to the other ranks"}
     memo = {id(t): c.clone() for (_, t), c in zip(buffers, buffer_copies)}
     # The copy gets empty hook dicts: neither the user's hooks nor ours run on it, and the
     # objects those hooks are bound to (this recorder, the user's loggers) are not copied.
@@ -76,3 +85,21 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
                                       else "the input batch") if found else
                      "not reproduced: every module output of the replayed forward was finite")
     return row
+
+
+def _distributed(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(isinstance(m, DistributedDataParallel) for m in model.modules()) or \
+        any(map(is_sharded, model.parameters()))
+
+
+def _nonfinite(x, depth: int = 0) -> bool:
+    """A floating tensor in x (or in its lists, tuples and dicts) holds NaN/Inf."""
+    if isinstance(x, torch.Tensor):
+        return x.is_floating_point() and not bool(torch.isfinite(local(x)).all())
+    if depth < 3 and isinstance(x, (list, tuple)):
+        return any(_nonfinite(v, depth + 1) for v in x)
+    if depth < 3 and isinstance(x, dict):
+        return any(_nonfinite(v, depth + 1) for v in x.values())
+    return False

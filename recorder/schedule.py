@@ -106,7 +106,7 @@ class OptimizerSchedule:
         self._handle = None
 
     def attach(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from .optimizer_hooks import on_post_step
         ref = weakref.ref(self)
 
         def post_hook(optimizer, args, kwargs):
@@ -114,7 +114,7 @@ class OptimizerSchedule:
             if s is not None:
                 s._after_optimizer_step(optimizer)
 
-        self._handle = register_optimizer_step_post_hook(post_hook)
+        self._handle = on_post_step(post_hook)
 
     def remove(self) -> None:
         if self._handle is not None:

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .functional import compiling
 from .replay import replay_step
+from .sharding import local
 
 # Half precision a snapshot may be stored in (snapshot_dtype); "exact" keeps each tensor's dtype.
 HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,7 +59,7 @@ def host_copy(t: torch.Tensor, half: torch.dtype | None = None) -> torch.Tensor 
     bytes cannot be stored (sparse, quantized, meta, complex)."""
     if t.is_sparse or t.is_quantized or t.device.type == "meta" or t.is_complex():
         return None
-    t = t.detach()
+    t = local(t.detach())  # (a rank's shard of an FSDP2 parameter: sharding.py)
     if half is not None and t.is_floating_point() and t.dtype != half:
         t = t.to(half)
     # On CUDA this synchronises: it is only done on a sparse schedule or once (the black box).
@@ -298,6 +300,15 @@ class BlackBox:
 
     def _pre_forward(self, module, args, kwargs):
         if not self.armed or not torch.is_grad_enabled():
+            return None
+        if compiling():
+            # Traced by Dynamo (a frame of its own, or inlined into the compiled forward): keep
+            # the input by a list append Dynamo replays after the graph, with no tensor op (a
+            # detach would make a graph of its own), and read no RNG state nor copy buffers
+            # (graph breaks: errors under fullgraph=True). A replay then starts from the RNG as
+            # it is at the end of the step.
+            if not self.inputs and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                self.inputs.append(((args[0],), {}))
             return None
         try:  # never raise into the model's forward
             self._observe(args, kwargs)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from .resume import STARTING_SUFFIX, closing_attrs, publish, reserve  # noqa: F401 (STARTING_SUFFIX: for importers)
+
 SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
 
@@ -328,8 +330,6 @@ def _chunk_rows(width: int, itemsize: int) -> int:
     return int(max(16, min(4096, (32 * 1024) // max(1, width * itemsize))))
 
 
-STARTING_SUFFIX = ".starting"  # the analyzer's trace/run_dir.py knows it too
-
 _STOP = object()
 _FLUSH = object()
 _TASK = object()
@@ -388,14 +388,20 @@ class TraceWriter:
         # hot; HDF5's default (1 MiB per dataset) grew the job's memory by ~26 MiB (measured).
         # Built under a temporary name and renamed once flushed: a job killed in its first
         # ~50 ms leaves ``rank{N}.h5.starting`` (which the analyzer explains), never a
-        # ``rank{N}.h5`` that cannot be opened.
-        starting = path + STARTING_SUFFIX
+        # ``rank{N}.h5`` that cannot be opened. Never over an earlier attempt's trace (a job
+        # restarted into its run directory): this attempt gets a name of its own, reserved
+        # before it is built and published without replacing anything (resume.py).
+        slot = reserve(path)
+        self.path = path = slot.path
+        attrs = {**attrs, "attempt": slot.attempt, "previous_file": slot.previous}
+        self.first_step = 0  # the number of the attempt's first step (resume.py)
+        starting = slot.starting
         self._f = h5py.File(starting, "w", libver="latest", rdcc_nbytes=64 * 1024)
         try:
             self._layout(attrs, static, tables)
             self._f.flush()
             self._f.swmr_mode = True
-            os.replace(starting, path)
+            publish(starting, path)
         except BaseException:
             self._f.close()
             if os.path.exists(starting):
@@ -557,7 +563,7 @@ class TraceWriter:
                     self._buffer(self._pending.popleft())
                 if table is _STOP:
                     self._write_all()
-                    set_attrs(self._f, {**(row or {}), "dropped_steps": self.dropped})
+                    set_attrs(self._f, closing_attrs({**(row or {}), "dropped_steps": self.dropped}, self.first_step))
                     self._f.close()
                     return
                 if table is _FLUSH:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from .. import __version__
 from ..analyzer.config import AnalysisConfig
 from ..analyzer.findings import Finding, sort_findings
+from ..analyzer.restarts import attempt_view
 from ..analyzer.trace import Trace
 from . import appendix, distributions, overview
 from .context import Context, no_figure
@@ -100,6 +101,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
 
 
 def _finding_figure(ctx: Context, f: Finding) -> Figure | None:
+    view = attempt_view(ctx.trace, f)  # a restarted rank: drawn from the finding's own attempt
+    ctx = ctx if view is ctx.trace else replace(ctx, trace=view, _cache={})
     return _safe_figure(f.kind, lambda: section(f.kind).figure_for(ctx, f))
 
 

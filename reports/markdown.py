@@ -12,6 +12,7 @@ import shlex
 from ..analyzer.display import NAME_CHARS, shorten, shorten_words
 from ..analyzer.export import fired_blackbox
 from ..analyzer.findings import Finding
+from ..analyzer.restarts import restart_lines
 from ..analyzer.trace import Trace
 from .model import plain
 from .summary import build_verdict, ending, plural, steps_span
@@ -31,8 +32,9 @@ _SPECIAL = re.compile(r"([\\`*~\[\]<>|&#$]|(?<![^\W_])_|_(?![^\W_]))")
 
 def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     """The ticket-sized report of ``trace`` and its ``findings`` (sorted as the analyzer returns them)."""
+    restarts = [f"- {md_text(line, 400, NAME_CHARS)}" for line in restart_lines(trace)]  # a file per attempt
     lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
-             _verdict_line(findings, len(trace.ranks)), ""]
+             *(["**Restarts:**", "", *restarts, ""] if restarts else []), _verdict_line(findings, len(trace.ranks)), ""]
     lines += _findings_table(findings) if findings else ["No findings."]
     box = _blackbox_line(trace)
     if box:

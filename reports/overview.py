@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 
+from ..analyzer.restarts import rerun_losses, restart_marks
 from . import plots, schedule
 from .context import Context, figure, no_figure, read_or_none
 from .model import Figure
@@ -34,12 +35,17 @@ def _loss(ctx: Context) -> Figure:
     title = "Loss"
     multi = len(ctx.trace.ranks) > 1
     losses = {(f"rank {r}" if multi else "loss"): rt.steps["loss"] for r, rt in ctx.trace.ranks.items()}
+    losses.update(rerun_losses(ctx.trace))  # a restarted job: the steps a later attempt ran again
     if not any(np.isfinite(s.to_numpy()).any() for s in losses.values()):
         return no_figure(title, "No finite loss was recorded (was rec.step() called with loss=?).")
     caption = ("Loss per step (log scale when it spans more than two orders of magnitude). Dotted "
                "vertical lines mark the first step of each finding (see the timeline); gaps are steps "
                "whose loss was NaN or Inf.")
-    return figure(title, caption, plots.plot_loss, losses, marks=ctx.marks())
+    restarts = restart_marks(ctx.trace)
+    if restarts:
+        caption += (" Grey dotted lines: restarts (the attempt resumed at that step; each attempt is a file, see "
+                    "the header); 'steps run again': an earlier attempt's loss over steps a later one re-ran.")
+    return figure(title, caption, plots.plot_loss, losses, marks=ctx.marks() + restarts)
 
 
 def _grad_heatmap(ctx: Context) -> Figure:

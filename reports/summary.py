@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..analyzer.detectors import DETECTORS
 from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
+from ..analyzer.restarts import restart_lines
 from ..analyzer.trace import RankTrace, Trace
 from .format import format_bytes, format_duration, plural
 from .model import Fact, Span, Text, Verdict
@@ -105,11 +106,12 @@ def run_facts(trace: Trace) -> list[Fact]:
         Fact("Started", str(meta.get("start_time", "unknown"))),
         Fact("Host", _distinct(ranks, "host") + f" ({_distinct(ranks, 'device')})"),
         Fact("Torch", _distinct(ranks, "torch_version")),
-        Fact("Trace size", f"{format_bytes(trace.size_bytes)} in {len(ranks)} file(s), written by "
+        Fact("Trace size", f"{format_bytes(trace.size_bytes)} in {trace.n_files} file(s), written by "
                            f"{_distinct(ranks, 'created_by')}"),
     ]
     endings = {r.rank: ending(r) for r in ranks}
     facts.append(Fact("Ended", _per_rank(endings), bad=set(endings.values()) != {CLEAN_END}))
+    facts.extend(Fact("Restart", line) for line in restart_lines(trace))  # a file per attempt
     dropped = sum(int(r.meta.get("dropped_steps", r.meta.get("dropped_rows", 0)) or 0) for r in ranks)
     if dropped:
         facts.append(Fact("Dropped steps", f"{dropped} (the recorder's queue was full; those steps "

@@ -53,6 +53,13 @@ class RankTrace(MemoryTables, StoredTensors):
                 self.param_shapes = [_shape(s) for s in _strings(f["params/shape"])]
                 self.param_numel = np.asarray(schema.numeric(path, "params/numel", f["params/numel"][()]),
                                               dtype=np.int64)
+                # Into how many shards each parameter is split (FSDP2): its figures here are those
+                # of this rank's shard (analyzer/trace/shards.py combines them). 1 in older traces.
+                shards = f["params/shards"][()] if "params/shards" in f else np.ones(len(self.param_names))
+                shards = np.asarray(schema.numeric(path, "params/shards", shards), dtype=np.int64)
+                if shards.shape != (len(self.param_names),) or (shards < 1).any():
+                    raise ValueError("params/shards is not one count >= 1 per parameter")
+                self.param_shards = shards
                 self.module_names = _strings(f["modules/name"])
                 self.module_types = _strings(f["modules/type"])
                 self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)

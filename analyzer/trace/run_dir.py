@@ -5,20 +5,33 @@ from __future__ import annotations
 import os
 
 from ..errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
-from .format import _RANK_FILE, STARTING_SUFFIX, rank_of_file
+from . import shards
+from .attempts import Attempt, group, parse_name
+from .format import STARTING_SUFFIX
 from .rank import RankTrace
 
-class Trace:
-    """A run directory: every rank's trace, keyed by rank."""
 
-    def __init__(self, run_dir: str, ranks: dict[int, RankTrace], unreadable: dict[str, str]):
+class Trace:
+    """A run directory: every rank's trace, keyed by rank. A rank whose job was restarted into
+    the directory has a file per attempt: ``ranks[r]`` is their timeline (attempts.py),
+    ``attempts[r]`` each attempt's own trace, ``notes`` (kind, line) of what does not fit."""
+
+    def __init__(self, run_dir: str, ranks: dict[int, RankTrace], unreadable: dict[str, str],
+                 attempts: dict[int, list[Attempt]] | None = None, notes: list[tuple[str, str]] | None = None):
         self.run_dir = run_dir
         self.ranks = dict(sorted(ranks.items()))
         self.unreadable = unreadable  # file -> reason, for ranks that could not be read
+        self.attempts = attempts if attempts is not None else {r: [Attempt(1, rt, rt.n_steps)]
+                                                               for r, rt in self.ranks.items()}
+        self.notes = list(notes or [])
 
     @property
     def size_bytes(self) -> int:
-        return sum(r.size_bytes for r in self.ranks.values())
+        return sum(a.trace.size_bytes for attempts in self.attempts.values() for a in attempts)
+
+    @property
+    def n_files(self) -> int:
+        return sum(len(attempts) for attempts in self.attempts.values())
 
     def __repr__(self) -> str:
         return f"Trace({self.run_dir!r}, ranks={list(self.ranks)})"
@@ -31,25 +44,26 @@ def trace_files(path: str) -> list[str]:
                                  "Recorder(model, run_dir)")
     if os.path.isfile(path):
         return [path]
-    files = [os.path.join(path, n) for n in os.listdir(path) if _RANK_FILE.match(n)]
+    files = [os.path.join(path, n) for n in os.listdir(path) if parse_name(n) is not None]
     if not files:
         started = _died_starting(path)
         if started:
             raise TraceNotFoundError(f"{path}: {started[min(started)]}")
         raise TraceNotFoundError(f"{path} holds no rank*.h5 trace files; give the run directory "
                                  "passed to Recorder(model, run_dir)")
-    return sorted(files, key=rank_of_file)
+    return sorted(files, key=parse_name)  # by rank, then attempt
 
 
 def _died_starting(path: str) -> dict[str, str]:
-    """{file name: reason} for ranks whose job ended before its first flush: the recorder
-    builds rank{N}.h5 as rank{N}.h5.starting and renames it once it is readable."""
+    """{file name: reason} for ranks (or attempts) whose job ended before its first flush: the
+    recorder builds rank{N}.h5 (rank{N}.attempt{K}.h5) as <name>.starting and renames it once
+    it is readable."""
     if not os.path.isdir(path):
         return {}
     names = set(os.listdir(path))
     return {n: f"{n}: the job ended before its first data was flushed (within a moment of "
-               "Recorder()), so this rank recorded nothing"
-            for n in names if n.endswith(STARTING_SUFFIX) and _RANK_FILE.match(n[:-len(STARTING_SUFFIX)])
+               "Recorder()), so this " + ("attempt" if ".attempt" in n else "rank") + " recorded nothing"
+            for n in names if n.endswith(STARTING_SUFFIX) and parse_name(n[:-len(STARTING_SUFFIX)])
             and n[:-len(STARTING_SUFFIX)] not in names}
 
 
@@ -61,19 +75,18 @@ def load(run_dir) -> Trace:
     ``Trace.unreadable``.
     """
     run_dir = os.fspath(run_dir)
-    ranks: dict[int, RankTrace] = {}
+    traces: list[RankTrace] = []
     unreadable: dict[str, str] = {}
     files = trace_files(run_dir)
     first_error = None
     for p in files:
         try:
-            rt = RankTrace(p)
+            traces.append(RankTrace(p))
         except (TraceFormatError, SchemaVersionError) as e:
             first_error = first_error or e
             unreadable[p] = str(e)
-            continue
-        ranks[rt.rank] = rt
-    if not ranks:
+    if not traces:
         raise first_error
     unreadable.update({os.path.join(run_dir, n): why for n, why in _died_starting(run_dir).items()})
-    return Trace(run_dir, ranks, unreadable)
+    ranks, attempts, notes = group(traces)
+    return Trace(run_dir, shards.combine(ranks), unreadable, attempts, notes)

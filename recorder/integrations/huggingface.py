@@ -77,7 +77,8 @@ class TorchAutopsyCallback(TrainerCallback):
         from ..recorder import Recorder
 
         self._close()  # a second train() with the same callback starts a new trace
-        self.recorder = Recorder(model, self.run_dir, **self.options)
+        # A run resumed from a checkpoint numbers its steps on from the Trainer's step.
+        self.recorder = Recorder(model, self.run_dir, **{"start_step": state.global_step, **self.options})
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._reset_loss()
 

@@ -66,7 +66,8 @@ class _Glue:
         from ..recorder import Recorder
 
         self._close()  # a second fit() with the same callback starts a new trace
-        self.recorder = Recorder(pl_module, self.run_dir, **self.options)
+        # A fit resumed from a checkpoint (ckpt_path=) numbers its steps on from the trainer's.
+        self.recorder = Recorder(pl_module, self.run_dir, **{"start_step": trainer.global_step, **self.options})
         self._judge = getattr(trainer.precision_plugin, "scaler", None) is None
         self._stepped, self._losses = False, []
 

@@ -69,12 +69,13 @@ def _tiny_gpt2():
 
 
 def _train(model, dataset, callbacks, out, max_steps: int, **args) -> Trainer:
-    targs = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=16,
-                              learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
-                              weight_decay=0.0, logging_steps=1, report_to="none", save_strategy="no",
-                              use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, **args)
+    resume = args.pop("resume_from_checkpoint", None)
+    targs = TrainingArguments(**{**dict(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=16, learning_rate=1e-2,
+        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0), **args})
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -128,3 +129,20 @@ def test_gradient_accumulation_gives_one_row_per_optimizer_step(kind):
     assert len(logged) == 6
     np.testing.assert_allclose(rt.steps["loss"].to_numpy(), logged, rtol=1e-6)
     assert np.isfinite(rt.param_stat("grad_norm").to_numpy()).all()
+
+
+def test_a_run_resumed_from_a_checkpoint_keeps_both_attempts_on_one_step_axis():
+    """train(resume_from_checkpoint=) into the same run directory: the first attempt's trace is
+    kept, the second writes rank0.attempt2.h5 numbered from the checkpoint's step, and load()
+    reads them as one timeline."""
+    run = run_dir()
+    torch.manual_seed(0)
+    _train(Net(), Batches(6, None), [TorchAutopsyCallback(run)], run.parent, 6, save_strategy="steps", save_steps=3)
+    torch.manual_seed(0)
+    _train(Net(), Batches(6, None), [TorchAutopsyCallback(run)], run.parent, 6,
+           resume_from_checkpoint=str(run.parent / "checkpoint-3"))
+    assert load(run / "rank0.h5").ranks[0].step_index.tolist() == list(range(6))
+    assert load(run / "rank0.attempt2.h5").ranks[0].step_index.tolist() == [3, 4, 5]
+    trace = load(run)
+    assert [a.file for a in trace.attempts[0]] == ["rank0.h5", "rank0.attempt2.h5"]
+    assert trace.ranks[0].step_index.tolist() == list(range(6))

@@ -141,3 +141,22 @@ def test_a_grad_scaler_s_skipped_overflows_do_not_fire_the_black_box():
     assert np.array_equal(loss[:BAD_STEP], expected[:BAD_STEP]) and not np.isfinite(loss[BAD_STEP])
     assert rt.blackbox["step"].tolist() == [BAD_STEP]
     assert_nan_found(run)
+
+
+def test_a_fit_resumed_from_a_checkpoint_keeps_both_attempts_on_one_step_axis():
+    """fit(ckpt_path=) into the same run directory: the first attempt's trace is kept, the second
+    writes rank0.attempt2.h5 numbered on from the checkpoint's global step."""
+    pl, Callback = _framework("lightning")
+    run = run_dir()
+    torch.manual_seed(0)
+    trainer_args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=run.parent)
+    model = _module_class(pl)()
+    first = pl.Trainer(max_steps=3, callbacks=[Callback(run)], **trainer_args)
+    first.fit(model, _loader(8, None))
+    first.save_checkpoint(run.parent / "step3.ckpt")
+    second = pl.Trainer(max_steps=6, callbacks=[Callback(run)], **trainer_args)
+    second.fit(_module_class(pl)(), _loader(8, None), ckpt_path=run.parent / "step3.ckpt")
+    assert load(run / "rank0.h5").ranks[0].step_index.tolist() == [0, 1, 2]
+    assert load(run / "rank0.attempt2.h5").ranks[0].step_index.tolist() == [3, 4, 5]
+    assert load(run).ranks[0].step_index.tolist() == list(range(6))

@@ -289,8 +289,8 @@ def test_info_lists_what_the_trace_holds(nan_run):
 
 
 def test_optimizer_hook_removed_and_others_ignored(tmp_path):
-    """The global optimizer pre-hook goes with close(); an optimizer of another model is ignored."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    """The optimizer pre-hook goes with close(); an optimizer of another model is ignored."""
+    from torchautopsy.recorder.optimizer_hooks import _pre as _global_optimizer_pre_hooks
 
     before = len(_global_optimizer_pre_hooks)
     model, other = Net(), nn.Linear(2, 2)

@@ -149,3 +149,49 @@ def test_two_recorders_in_the_same_run_dir_are_refused(root):
             rec.step(loss=0.0)
     assert [p.name for p in root.iterdir()] == ["rank0.h5"]
     assert load(root).ranks[0].n_steps == 2
+
+
+class _NoNorm(torch.Tensor):
+    """A gradient the recorder cannot measure (its norm raises): the recorder fails inside the
+    optimizer's pre-hook."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if "norm" in getattr(func, "__name__", ""):
+            raise RuntimeError("norm is not supported on this gradient")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_recorder_failing_inside_the_optimizer_hook_leaves_the_others_and_training_alone(root):
+    """One Recorder fails in its optimizer pre-hook and unhooks itself while torch iterates its
+    global hooks: that raised 'OrderedDict mutated during iteration' into the loop. Now training
+    goes on unchanged and the other Recorder records every step."""
+    def train(record: bool):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 1)
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        ra, rb = (Recorder(a, root / "a"), Recorder(b, root / "b")) if record else (None, None)
+        losses = []
+        for s in range(5):
+            loss = b(a(torch.randn(8, 4))).square().mean()
+            oa.zero_grad()
+            ob.zero_grad()
+            loss.backward()
+            if s == 2:
+                a.weight.grad = a.weight.grad.as_subclass(_NoNorm)
+            oa.step()
+            ob.step()
+            losses.append(float(loss.detach()))
+            if record:
+                ra.step(loss=loss)
+                rb.step(loss=loss)
+        if record:
+            ra.close()
+            rb.close()
+        return losses
+
+    with pytest.warns(RuntimeWarning, match="recorder error .*norm is not supported"):
+        recorded = train(True)
+    assert recorded == train(False)
+    assert list(load(root / "b").ranks[0].steps.index) == [0, 1, 2, 3, 4]
+    assert list(load(root / "a").ranks[0].steps.index) == [0, 1]

@@ -1,0 +1,62 @@
+"""Sharded parameters (FSDP2's ``fully_shard``, tensor parallelism): DTensors.
+
+A reduction of a DTensor (a norm, a max) is a collective: every rank must join it, so one taken by
+the recorder alone on one rank would hang the job, or add a collective to every step. The
+recorder measures each rank's own shard instead, the local tensor, with no communication: its
+norms are those of the shard, its snapshots and black box hold the shard. The trace says so per
+parameter (``params/shards``: how many shards the whole parameter is split into), and the analyzer
+combines the ranks' shards into whole-parameter figures (analyzer/trace/shards.py).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # torch built without distributed (some macOS/Windows wheels), or older
+    try:
+        from torch.distributed._tensor import DTensor
+    except Exception:
+        DTensor = None
+
+_GRAD = operator.attrgetter("grad")
+
+
+def is_sharded(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """The rank's own part of a DTensor (the tensor itself otherwise): the same storage, no copy,
+    no communication."""
+    if DTensor is None or not isinstance(t, DTensor):
+        return t
+    inner = getattr(t, "_local_tensor", None)  # (the same object every call: identity checks hold)
+    return inner if isinstance(inner, torch.Tensor) else t.to_local()
+
+
+def local_grad(p):
+    g = p.grad
+    return local(g) if g is not None else None
+
+
+def grad_getter(params) -> callable:
+    """How the recorder reads a parameter's gradient: p.grad, or its shard's when any parameter
+    is a DTensor (decided once: the common case stays a C attribute read)."""
+    return local_grad if any(map(is_sharded, params)) else _GRAD
+
+
+def shards(p) -> int:
+    """Into how many shards the whole parameter is split (1: every rank holds all of it; a
+    DTensor replicated on a mesh dimension is not split along it)."""
+    if not is_sharded(p):
+        return 1
+    try:
+        mesh, placements = p.device_mesh, p.placements
+        return int(math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard()))
+    except Exception:
+        return 1
