@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import h5py
 import pytest
@@ -114,13 +115,19 @@ def test_analyze_reports_the_abandoned_attempts_nan_and_the_restart(restarted):
 
 
 def test_an_old_single_file_trace_reads_as_before():
-    sample = SAMPLES / "exploding_lr"
-    with h5py.File(sample / "rank0.h5", "r") as f:
-        assert "attempt" not in f.attrs  # recorded before attempts were
+    """A trace written before attempts existed (a sample with its attempt attributes taken away,
+    as the recorder wrote them then) reads and analyzes as it did."""
+    d = tempfile.mkdtemp(prefix="restart_")
+    sample = Path(d) / "old"
+    sample.mkdir()
+    shutil.copy(SAMPLES / "exploding_lr" / "rank0.h5", sample / "rank0.h5")
+    with h5py.File(sample / "rank0.h5", "r+") as f:
+        for k in ("attempt", "previous_file", "first_step"):
+            if k in f.attrs:
+                del f.attrs[k]
     r = run_cli("info", sample)
     assert r.returncode == 0 and "attempt" not in r.stdout and "restarted" not in r.stdout
     assert "in 1 file(s)" in r.stdout
-    d = tempfile.mkdtemp(prefix="restart_")
     try:
         out = os.path.join(d, "f.json")
         r = run_cli("analyze", sample, "--json", out)
