@@ -38,13 +38,15 @@ from .histograms import histogram
 from .stats import Packer, activation_stats, combine_stats, floating_tensors
 
 
+_BATCH = -2  # (finish_step: the -Inf came with the input batch)
+
+
 class ModuleWatcher:
     def __init__(self, model: nn.Module, on_error):
         self.names = [name for name, _ in model.named_modules()]
         self.types = [type(m).__name__ for _, m in model.named_modules()]
         self.is_leaf = [len(list(m.children())) == 0 for _, m in model.named_modules()]
-        # Modules computing with their own weights (Linear, Conv, ...): a -Inf they output is an
-        # overflow; elsewhere -Inf alone is how masks are written (see finish_step).
+        # Modules computing with their own weights (Linear, Conv, ...).
         self.has_weights = np.array([any(True for _ in m.parameters(recurse=False))
                                      for _, m in model.named_modules()], dtype=bool)
         self.modules = [m for _, m in model.named_modules()]
@@ -273,20 +275,30 @@ class ModuleWatcher:
                 self._unmeasured.flags.writeable = False
             if self._seen or self._producers or self._hists or self.stack:
                 self._reset()
-            return {"output_absmax": self._unmeasured, "origin": -1, "batch_nonfinite": 0}
+            return {"output_absmax": self._unmeasured, "origin": -1, "consumer": -1, "neg_origin": -1,
+                    "batch_nonfinite": 0}
         mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
         absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
-        # A tensor carries a fault if it holds NaN or +Inf. -Inf alone is how attention masks
-        # and log-probabilities of impossible events are written: not a fault as an input, nor
-        # as the output of a module without weights (a mask builder); from a module with its own
-        # weights (a Linear overflowing) it is one.
+        # A NaN or +Inf is a fault. A -Inf alone is how masks and log-probabilities of impossible
+        # events are written: whether it is one is decided by where it goes, not by who made it.
+        # Into a softmax or a masked fill it is a mask (their outputs stay finite); it is a fault
+        # when a module that takes it makes NaN/+Inf of it (a Linear: -inf * w + inf), or when
+        # the step's loss went non-finite (a sum, a loss outside the modules: neg_origin). Either way the
+        # origin is the module that made the -Inf from finite inputs, and `consumer` the module
+        # that turned it into NaN/+Inf (-1: none, or the origin made NaN/+Inf itself).
         bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
         neg_inf = mins == -np.inf
         out_absmax = [-1.0] * n_modules  # -1: not called this step
-        origin, first_bad, batch_bad = -1, -1, False
+        origin, consumer, first_bad, batch_bad = -1, -1, -1, False
+        first_neg = -1  # the first module that made a -Inf from finite inputs
         # Plain Python over the calls: a few values each, where numpy's per-call cost dominates.
-        amax, bad_l, neg_l, weighted = absmax.tolist(), bad.tolist(), neg_inf.tolist(), self.has_weights
+        amax, bad_l, neg_l = absmax.tolist(), bad.tolist(), neg_inf.tolist()
         faults = bool(bad.any() or neg_inf.any())
+        made_neg: dict[int, int] = {}  # tensor (pair index) holding -Inf -> the module that made it
+        if faults:  # (the root's call completes last: its inputs, the batch, are seen first here)
+            for module, ins, _ in self._calls:
+                if module == 0:
+                    made_neg.update((i, _BATCH) for i in ins if neg_l[i])
         for module, ins, outs in self._calls:
             vals = [amax[o] for o in outs]
             a = math.nan if any(v != v for v in vals) else max(vals)  # v != v: NaN
@@ -295,17 +307,37 @@ class ModuleWatcher:
             if not faults:
                 continue
             in_bad = any(bad_l[i] for i in ins)
+            in_neg = [i for i in ins if neg_l[i]]
             if module == 0 and in_bad:
                 batch_bad = True
-            if any(bad_l[o] for o in outs) or (weighted[module] and any(neg_l[o] for o in outs)):
+            if any(bad_l[o] for o in outs):
                 if first_bad < 0:
                     first_bad = module
                 if origin < 0 and not in_bad:
-                    origin = module
+                    if not in_neg:
+                        origin = module  # born here, from finite inputs
+                    else:  # a -Inf made a fault here: the module that made it is the origin
+                        origin, consumer = made_neg.get(in_neg[0], module), module
+            elif not in_bad and not in_neg and any(neg_l[o] for o in outs):
+                for o in outs:
+                    if neg_l[o]:
+                        made_neg.setdefault(o, module)
+                if first_neg < 0:
+                    first_neg = module
+        # Should the step's loss be NaN/Inf with no module output NaN/+Inf, a -Inf went into it
+        # outside the modules (a sum, the loss function): its maker, or the batch, is the origin
+        # (the recorder decides at rec.step(), where the loss is known: neg_origin).
+        neg_origin = -1
+        if first_bad < 0:
+            neg_origin = first_neg if first_neg >= 0 else (_BATCH if _BATCH in made_neg.values() else -1)
+        if origin == _BATCH:  # a -Inf of the input batch made the fault
+            origin, batch_bad = -1, True
         out_absmax = np.array(out_absmax)
         row = {
             "output_absmax": out_absmax.astype(np.float32),
             "origin": origin if origin >= 0 else first_bad,
+            "consumer": consumer,
+            "neg_origin": neg_origin,
             "batch_nonfinite": int(batch_bad),
         }
         if self._acts:

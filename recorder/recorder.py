@@ -845,9 +845,15 @@ class Recorder:
         self._loss_given = loss is not None
         if not watched and bad_step and self._trigger(loss_value, grad_bad, mods) is not None:
             self._replay()  # a NaN/Inf no optimizer step saw first: find its module now
-        if self._replayed is not None and self._replayed.get("reproduced"):
-            mods = {**mods, **{k: self._replayed[k] for k in ("output_absmax", "origin", "batch_nonfinite")
-                               if k in self._replayed}}
+        if self._replayed is not None:
+            # A reproduced replay's row; else only the maker of a -Inf it saw (used just below).
+            keys = ("output_absmax", "origin", "consumer", "neg_origin", "batch_nonfinite") \
+                if self._replayed.get("reproduced") else ("neg_origin",)
+            mods = {**mods, **{k: self._replayed[k] for k in keys if k in self._replayed}}
+        if (mods.get("neg_origin", -1) != -1 and mods["origin"] < 0 and not mods["batch_nonfinite"]
+                and loss is not None and not math.isfinite(loss_value)):
+            # No module made NaN/+Inf, but a -Inf one made went into the loss (hooks.py).
+            mods = {**mods, "origin": max(mods["neg_origin"], -1), "batch_nonfinite": int(mods["neg_origin"] == -2)}
         if self._params:
             self._device = self._params[0].device
         rows = {
@@ -928,6 +934,7 @@ class Recorder:
             "step": step, "time_s": time_s, "loss": loss_value, "rss_bytes": rss,
             "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
             "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
+            "nonfinite_consumer": mods.get("consumer", -1),
             "live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs,
             "gc_s": self._gc_s, "gc_gen2": self._gc_gen2,
             "data_wait_s": self._data_wait_s if self._saw_loader else math.nan,

@@ -77,6 +77,8 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("recorder_s", "f4"),
             Column("nonfinite_origin", "i4"),
             Column("batch_nonfinite", "i1"),
+            # The module that turned a -Inf made by nonfinite_origin into NaN/+Inf (-1: none).
+            Column("nonfinite_consumer", "i4"),
             # Census of live tensors, every `census_every` steps (-1 on other steps).
             Column("live_tensors", "i8"),
             Column("live_tensor_bytes", "i8"),

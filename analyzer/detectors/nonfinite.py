@@ -31,7 +31,9 @@ _ADVICE = {
              "batch of this step (missing values, division by a zero std, log of zero).",
     "forward": "Find the operation in this module's forward that can overflow or is undefined on "
                "its inputs (log/sqrt of non-positive values, division by ~0, exp of large values, "
-               "softmax of all -inf); guard it (clamp, eps), or run it in float32 under autocast.",
+               "softmax of all -inf); guard it (clamp, eps: log(x + eps), x.clamp_min(eps).log()), "
+               "or run it in float32 under autocast. A -Inf is fine only where a softmax or a masked "
+               "fill takes it.",
     "loss": "The loss is computed outside the model's modules: check it for log(0) (use "
             "log_softmax / BCEWithLogitsLoss instead of log(softmax) / BCELoss), division by a zero "
             "count, or targets out of range.",
@@ -92,6 +94,15 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         what = (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {step}: its "
                 f"output was non-finite while its inputs were finite")
         evidence["origin_module_output_absmax"] = float(mods_bad[origin[i]])
+        consumer = int(steps["nonfinite_consumer"].iloc[i])
+        if 0 <= consumer < len(rt.module_names) and consumer != origin[i]:
+            # The origin made a -Inf (a log of 0, say), which the consumer turned into NaN/+Inf.
+            cname = rt.module_names[consumer] or "(the model's own forward)"
+            what = (f"{name} ({mtype}) made -Inf from finite inputs at step {step} (a log or a "
+                    f"division of 0?), and {cname} ({rt.module_types[consumer]}), which took it in, "
+                    f"turned it into NaN/Inf")
+            evidence["chain"] = {"producer": rt.module_names[origin[i]], "consumer": rt.module_names[consumer],
+                                 "step": step}
     elif loss_bad[i] and not checked:
         stage, where = "unchecked", []
         what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, a step whose module outputs were not "

@@ -505,6 +505,7 @@ _OPTIONAL_STEP_COLUMNS = {
     "lr": np.nan,
     "loss_scale": np.nan,
     "optimizer_steps": -1,
+    "nonfinite_consumer": -1,  # (added later: the module that made a -Inf a fault)
 }
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)
