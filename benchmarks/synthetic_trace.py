@@ -151,7 +151,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
             w.write_columns("profile_windows", {"window": np.array([window]), "step_start": np.array([a]),
                                                 "step_end": np.array([a + 1]),
                                                 "trace_offset": np.array([w.append_blob(np.frombuffer(trace_blob, np.uint8))]),
-                                                "trace_nbytes": np.array([len(trace_blob)])})
+                                                "trace_nbytes": np.array([len(trace_blob)]),
+                                                "exported_unix": np.array([now + a + 2.0])})
             w.write_columns("profile_ops", {
                 "window": np.full(PROFILE_OPS, window), "name": np.array([f"aten::op{i}" for i in range(PROFILE_OPS)], dtype=object),
                 "calls": np.full(PROFILE_OPS, 20), "cpu_self_us": rng.uniform(10, 5000, PROFILE_OPS),

@@ -290,7 +290,7 @@ class ModuleWatcher:
         neg_inf = mins == -np.inf
         out_absmax = [-1.0] * n_modules  # -1: not called this step
         origin, consumer, first_bad, batch_bad = -1, -1, -1, False
-        first_neg = -1  # the first module that made a -Inf from finite inputs
+        first_neg = last_neg = -1  # the first and the latest module that made a -Inf from finite inputs
         # Plain Python over the calls: a few values each, where numpy's per-call cost dominates.
         amax, bad_l, neg_l = absmax.tolist(), bad.tolist(), neg_inf.tolist()
         faults = bool(bad.any() or neg_inf.any())
@@ -317,13 +317,16 @@ class ModuleWatcher:
                     if not in_neg:
                         origin = module  # born here, from finite inputs
                     else:  # a -Inf made a fault here: the module that made it is the origin
-                        origin, consumer = made_neg.get(in_neg[0], module), module
+                        # (that tensor's maker; else, after ops outside the modules, the last
+                        # module that made a -Inf from finite inputs)
+                        origin, consumer = made_neg.get(in_neg[0], last_neg if last_neg >= 0 else module), module
             elif not in_bad and not in_neg and any(neg_l[o] for o in outs):
                 for o in outs:
                     if neg_l[o]:
                         made_neg.setdefault(o, module)
                 if first_neg < 0:
                     first_neg = module
+                last_neg = module
         # Should the step's loss be NaN/Inf with no module output NaN/+Inf, a -Inf went into it
         # outside the modules (a sum, the loss function): its maker, or the batch, is the origin
         # (the recorder decides at rec.step(), where the loss is known: neg_origin).

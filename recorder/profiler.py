@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import threading
 import weakref
 
@@ -279,7 +280,7 @@ def _task(prof, window: int, start: int, end: int, due: int):
         return {
             # (step_due: when it was due, if it had to wait; a column once the table has one)
             "profile_windows": {"window": window, "step_start": start, "step_end": end, "step_due": due,
-                                "trace_offset": offset, "trace_nbytes": len(blob)},
+                                "trace_offset": offset, "trace_nbytes": len(blob), "exported_unix": time.time()},
             "profile_ops": ops,
         }
 

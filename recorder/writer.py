@@ -162,6 +162,9 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("step_end", "i8"),
             Column("trace_offset", "i8"),  # into blobs/bytes
             Column("trace_nbytes", "i8"),
+            # When the writer thread had exported the window (time.time()): until then its work
+            # (parsing and compressing the trace, under the GIL) slows the training's next steps.
+            Column("exported_unix", "f8"),
         ],
         "profile_ops": [  # one row per operator (torch.profiler key_averages) per window
             Column("window", "i4"),

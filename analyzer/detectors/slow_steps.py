@@ -6,9 +6,10 @@ step (lazy initialisation, warm-up), a profiler window, a tensor census, a CUDA 
 snapshot, a jump in memory (resident, CUDA reserved: new cudaMalloc segments are slow, CUDA
 allocated), or Python's garbage collector (time spent collecting, full collections).
 
-Outliers the recorder made on purpose (profiler windows, steps whose extra time is the
-recorder's own: a census, a snapshot) and the first step are listed as expected; only the others
-make a finding. The median is taken over steps outside profiler windows, after the first.
+Outliers the recorder made on purpose (profiler windows and the steps that ran while its writer
+thread exported one, steps whose extra time is the recorder's own: a census, a snapshot) and the
+first step are listed as expected; only the others make a finding. The median is taken over
+steps outside profiler windows and their export, after the first.
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def detect(rt: RankTrace, cfg: SlowStepsConfig) -> list[Finding]:
     steps = rt.step_index
     in_window = np.zeros(len(steps), dtype=bool)
     pw = rt.profile_windows
-    for a, b in zip(pw.get("step_start", []), pw.get("step_end", [])):
+    ends = rt.steps["time_s"].to_numpy(dtype=float)  # when each step's rec.step() ran
+    starts = np.concatenate([[-np.inf], ends[:-1]])
+    exported = pw["exported_unix"].to_numpy(dtype=float) if "exported_unix" in pw else np.full(len(pw), np.nan)
+    for a, b, done in zip(pw.get("step_start", []), pw.get("step_end", []), exported):
         in_window |= (steps >= a) & (steps <= b)
+        # The recorder's writer thread then exports the window (under the GIL): the steps that
+        # ran until it was done, or the next one in traces that do not say when that was.
+        in_window |= (steps > b) & ((starts < done) if np.isfinite(done) else (steps == b + 1))
     base = ok & ~in_window
     if len(base):
         base[0] = False  # the first step pays for lazy initialisation

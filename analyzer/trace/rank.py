@@ -360,8 +360,11 @@ class RankTrace(MemoryTables, StoredTensors):
 
     @cached_property
     def profile_windows(self) -> pd.DataFrame:
-        """torch.profiler windows: window, step_start, step_end, trace_offset, trace_nbytes."""
+        """torch.profiler windows: window, step_start, step_end, trace_offset, trace_nbytes, and
+        exported_unix (when the writer had exported it; absent from older traces)."""
         cols = ("window", "step_start", "step_end", "trace_offset", "trace_nbytes")
+        if self._has("profile_windows/exported_unix"):
+            cols += ("exported_unix",)
         return pd.DataFrame(self._table("profile_windows", cols))
 
     def profile_ops(self, window: int | None = None) -> pd.DataFrame:

@@ -244,3 +244,29 @@ def test_the_operator_table_matches_torch_key_averages():
             assert r["cpu_self_us"] == pytest.approx(e.self_cpu_time_total, rel=0.01, abs=2 + 0.5 * e.count), name
             assert r["cpu_total_us"] == pytest.approx(e.cpu_time_total, rel=0.01, abs=2), name
             assert r["cpu_memory_bytes"] == pytest.approx(e.self_cpu_memory_usage, rel=0.01, abs=256), name
+
+
+def test_the_steps_slowed_by_exporting_a_profiler_window_are_the_recorders_not_the_jobs(tmp_path):
+    """The writer thread exports a window after its last step, under the GIL: the steps that ran
+    until it was done are listed as expected (the recorder's work), never as the job's slow steps.
+    A GRU's window holds thousands of events (a long export)."""
+    torch.manual_seed(0)
+    model = nn.GRU(16, 128, batch_first=True)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with Recorder(model, tmp_path / "run") as rec:
+        for _ in range(60):
+            out, _ = model(torch.randn(16, 50, 16))
+            loss = out[:, -1].pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    rt = load(tmp_path / "run").ranks[0]
+    (window,) = rt.profile_windows.to_dict("records")
+    times = rt.steps["time_s"]
+    exporting = [int(s) for s in rt.step_index if s > window["step_end"]
+                 and (s == window["step_end"] + 1 or times.loc[s - 1] < window["exported_unix"])]
+    assert exporting and window["exported_unix"] > times.loc[window["step_end"]]
+    found, _ = findings(tmp_path / "run", tmp_path)
+    listed = [d["step"] for f in found if f["kind"] == "slow_steps" for d in f["evidence"]["slowest"]]
+    assert not set(listed) & set(exporting), (listed, exporting)

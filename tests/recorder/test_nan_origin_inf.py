@@ -168,3 +168,30 @@ def test_a_nan_born_in_the_backward_pass_is_not_blamed_on_a_forward_module():
     f = _train(model, batch=lambda s: _batch(s, zero_at=BAD), activations_every=1)
     assert f.step == BAD and f.evidence["stage"] == "backward", f
     assert f.where == ["0.weight"]  # sqrt's Inf derivative at 0 times 0: NaN in the scale's gradient
+
+
+def test_a_minus_inf_passed_through_ops_outside_the_modules_is_traced_to_its_maker():
+    """The -Inf leaves its maker (log) and goes through an add outside the modules before a
+    weightless gate multiplies it by 0 (NaN): the gate's input is another tensor than the log's
+    output, and the log, the latest module to make a -Inf, is still named (GPT-2's -Inf
+    embedding row turned into NaN by its dropout, from the corpus)."""
+
+    class Gate(nn.Module):  # multiplies feature 2 by 0, as a dropout may
+        def forward(self, x):
+            keep = torch.ones(x.shape[-1])
+            keep[2] = 0.0
+            return x * keep
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.abs, self.log = Scale(), Abs(), Log()
+            self.pos = nn.Linear(8, 8)
+            self.gate = Gate()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.gate(self.log(self.abs(self.scale(x))) + self.pos(x)))
+
+    f = _train(Net(), batch=lambda s: _batch(s, zero_at=BAD), activations_every=1)
+    assert f.step == BAD and f.where == ["log"] and f.evidence["chain"]["consumer"] == "gate", f
