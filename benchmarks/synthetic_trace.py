@@ -114,7 +114,7 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         loss = np.where(broken, np.nan, loss * np.sqrt(growth))
         census = np.where(steps % CENSUS_EVERY == 0, 5000, -1)
         w.write_columns("steps", {
-            "step": steps, "time_s": now + 0.05 * steps, "loss": loss,
+            "step": steps, "time_s": now + 0.05 * steps, "loss": loss, "loss_given": np.ones(n),
             "rss_bytes": np.full(n, 2 << 30), "cuda_allocated_bytes": np.full(n, -1),
             "cuda_reserved_bytes": np.full(n, -1), "cuda_peak_bytes": np.full(n, -1),
             "between_steps_s": np.full(n, 0.002, f32), "data_wait_s": np.full(n, np.nan, f32),

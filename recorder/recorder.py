@@ -931,7 +931,7 @@ class Recorder:
         prev, now = self._t_step_end, time.perf_counter()
         self._t_step_end = now
         rows["steps"] = {
-            "step": step, "time_s": time_s, "loss": loss_value, "rss_bytes": rss,
+            "step": step, "time_s": time_s, "loss": loss_value, "loss_given": int(self._loss_given), "rss_bytes": rss,
             "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
             "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
             "nonfinite_consumer": mods.get("consumer", -1),

@@ -61,6 +61,8 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("step", "i8"),
             Column("time_s", "f8"),
             Column("loss", "f8"),
+            # 1: rec.step() was given a loss (a NaN loss is then a NaN, not a missing one); 0: not.
+            Column("loss_given", "i1"),
             Column("rss_bytes", "i8"),
             Column("cuda_allocated_bytes", "i8"),
             Column("cuda_reserved_bytes", "i8"),

@@ -55,9 +55,11 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0
     d = rt.digest
     # Counts, not norms: an Inf norm can be an overflow of finite gradients.
-    # NaN also stands for "no loss passed to rec.step() on this step": a NaN loss counts only
-    # when the backward pass that followed it was non-finite too.
-    loss_bad = np.isinf(loss) | (np.isnan(loss) & d.grad_nonfinite)
+    # NaN also stands for "no loss passed to rec.step() on this step": a NaN loss counts when the
+    # trace says a loss was given (cross_entropy with every target ignored is 0/0 = NaN with
+    # gradients of exactly 0), or, in traces that do not say, when the backward was non-finite too.
+    given = steps["loss_given"].to_numpy()
+    loss_bad = np.isinf(loss) | (np.isnan(loss) & ((given == 1) | d.grad_nonfinite))
     any_bad = loss_bad | (origin >= 0) | batch_bad | d.grad_nonfinite | d.param_nonfinite
     bad_rows = np.flatnonzero(any_bad)
     if not bad_rows.size:

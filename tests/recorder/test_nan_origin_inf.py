@@ -195,3 +195,20 @@ def test_a_minus_inf_passed_through_ops_outside_the_modules_is_traced_to_its_mak
 
     f = _train(Net(), batch=lambda s: _batch(s, zero_at=BAD), activations_every=1)
     assert f.step == BAD and f.where == ["log"] and f.evidence["chain"]["consumer"] == "gate", f
+
+
+@pytest.mark.parametrize("every", [1, 10], ids=["watched", "replayed"])
+def test_a_nan_loss_with_zero_gradients_is_found_and_put_in_the_loss(every):
+    """cross_entropy with every target ignored is 0/0 = NaN while every gradient is exactly 0
+    (pytorch#70348): a NaN loss given to rec.step() is a NaN, not a missing loss."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def batch(step):
+        x, _ = _batch(step)
+        y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(step))
+        return x, torch.full_like(y, -100) if step == BAD else y
+
+    f = _train(model, batch=batch, loss_fn=F.cross_entropy, activations_every=every)
+    assert f.step == BAD and f.where == [] and f.evidence["stage"] in ("loss", "unchecked"), f
+    if every == 1:
+        assert f.evidence["stage"] == "loss" and "every module output was finite" in f.summary
