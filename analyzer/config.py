@@ -149,7 +149,7 @@ class AttentionCollapseConfig:
     # Entropy collapse (Zhai et al. 2023, "Stabilizing Transformer Training by Preventing
     # Attention Entropy Collapse"): a layer's mean normalised row entropy below this. Single
     # low-entropy heads are often healthy specialists (previous-token heads), so the layer's
-    # mean is judged, and only after it was higher earlier in the run.
+    # mean is judged, from the first sampled step on (near one-hot at initialisation is broken).
     entropy: float = 0.1
     # All mass on one key position: every head of the layer puts more than this share of its
     # attention on its single most-attended key (healthy heads with a sink stay below; the

@@ -6,8 +6,10 @@ largest weight, share of mass on the single most-attended key, and the mean pair
 similarity of the heads' maps. Three collapses, each judged per layer on the last
 `min_samples` samples and dated from the first sample after which it held to the end:
 
-- entropy collapse (Zhai et al. 2023): the layer's mean entropy under `entropy`, having been
-  above it earlier (a layer sharp from the first step is a design, not a collapse);
+- entropy collapse (Zhai et al. 2023): the layer's mean entropy under `entropy` (normalised by
+  the keys each row may attend to), from the first step on as well: a randomly initialised head
+  is never meant to be one-hot, so a layer near one-hot at step 0 is a broken initialisation
+  (query/key weights too large, a softmax scale missing), not a design;
 - all mass on one position: every head's sink share above `sink_share`;
 - heads alike: similarity above `similarity` while the layer is sharp (mean entropy below
   `alike_entropy`); near-uniform heads at initialisation are alike without being collapsed.
@@ -61,7 +63,7 @@ def detect(rt: RankTrace, cfg: AttentionCollapseConfig) -> list[Finding]:
             warnings.simplefilter("ignore", RuntimeWarning)
             mean_ent = np.nanmean(ent, axis=1) if ent.size else np.full(len(steps), np.nan)
         conditions = {
-            "entropy": (mean_ent < cfg.entropy) & _was_above(mean_ent, cfg.entropy),
+            "entropy": mean_ent < cfg.entropy,
             "sink": np.all(snk > cfg.sink_share, axis=1) & ~np.isnan(snk).all(axis=1),
             "alike": (sm > cfg.similarity) & (mean_ent < cfg.alike_entropy) & (int(site.heads) > 1),
         }
@@ -108,8 +110,3 @@ def _holds_to_end(cond: np.ndarray, min_samples: int) -> int | None:
     false = np.flatnonzero(~cond)
     return int(false[-1] + 1) if false.size else 0
 
-
-def _was_above(x: np.ndarray, level: float) -> np.ndarray:
-    """For each sample, whether an earlier sample was at or above `level`."""
-    above = np.nan_to_num(x, nan=-np.inf) >= level
-    return np.concatenate([[False], np.logical_or.accumulate(above)[:-1]])
