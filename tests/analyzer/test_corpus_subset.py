@@ -18,6 +18,8 @@ EXPECTED = {
     "rnn_nonfinite_exp_rate_overflow": "hit",
     "mlp_deep_sigmoid_vanishing": "hit",
     "mlp_dead_relu_negative_bias_init": "hit",
+    "mlp_tanh_chaotic_init": "hit",  # exploding from initialisation (gradient/weight ratio)
+    "transformer_attention_collapse_qk_init": "hit",  # one-hot from initialisation
     "mlp_healthy_dropout_wd_clip": "quiet",
     "rnn_healthy_lstm_clip_adam": "quiet",
 }
