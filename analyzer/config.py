@@ -19,13 +19,6 @@ class ExplodingGradientsConfig:
     window: int = 5
     # A single-step jump this many times the baseline, not sustained, is reported as a warning.
     spike_ratio: float = 1000.0
-    # From initialisation: a weight tensor's gradient norm at least this many times its own norm
-    # on each of the first `init_samples` measured steps. First principles: an update moves a
-    # healthy weight by a small fraction of itself; at 30x, every step at lr >= 0.03 replaces it.
-    # On the corpus's tuning half the healthy controls and other cases stay at or below 3.5x, the
-    # broken initialisation there at 7e7x (benchmarks/README.md reports the held-out half).
-    init_ratio: float = 30.0
-    init_samples: int = 5
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,6 @@
 """exploding_gradients: the total gradient norm grows without bound or jumps by orders of magnitude.
 
-Present from the first step (a broken initialisation: chaotic-regime weights, a recurrent
-matrix of spectral radius above 1, a gain too large; Pascanu et al. 2013, Poole et al. 2016):
-a weight tensor whose gradient norm is `init_ratio` x its own norm or more on each of the first
-`init_samples` steps whose weight norms were measured. An update moves a healthy weight by a
-small fraction of itself (gradient/weight well under 1 at initialisation); a gradient tens of
-times the weight makes every step replace it. Such a run is its own baseline, so it is judged
-by this rule alone.
-
-Arising later: take the median total gradient norm over the first finite steps as the baseline.
+Heuristic: take the median total gradient norm over the first finite steps as the baseline.
 Sustained growth (the trailing median over `window` steps above `sustained_ratio` x baseline) is
 an error; a lone jump above `spike_ratio` x baseline that does not last is a warning. The
 parameters named are those whose own gradient norm grew most against their own baseline.
@@ -41,11 +33,8 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     missing = no_gradients(rt, KIND)
     if missing:
         return missing
-    steps = rt.step_index
-    at_init = _from_initialisation(rt, cfg)
-    if at_init is not None:
-        return [at_init]
     total = rt.total_grad_norm.to_numpy()
+    steps = rt.step_index
     finite = np.isfinite(total) & (total > 0)
     idx = np.flatnonzero(finite)
     n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
@@ -113,43 +102,3 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     if lr_clause:
         summary = summary[:-1] + f"; it began {lr_clause}."
     return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]
-
-
-def _from_initialisation(rt: RankTrace, cfg: ExplodingGradientsConfig) -> Finding | None:
-    """Weight gradients tens of times the weights themselves on the first measured steps."""
-    n = min(rt.n_steps, 20 * cfg.init_samples * 10)  # (weights are measured on watched steps)
-    mats = np.flatnonzero([len(s) >= 2 for s in rt.param_shapes])  # weight matrices and kernels
-    if n == 0 or not mats.size:
-        return None
-    w = rt.param_stat("param_norm", rows=slice(0, n)).to_numpy()[:, mats].astype(float)
-    g = rt.param_stat("grad_norm", rows=slice(0, n)).to_numpy()[:, mats].astype(float)
-    rows = np.flatnonzero((w >= 0).any(axis=1))[: cfg.init_samples]  # (-1: not measured)
-    if len(rows) < min(2, cfg.init_samples):
-        return None
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(w[rows] > 0, g[rows] / w[rows], np.nan)
-    ratio[~np.isfinite(g[rows])] = np.nan  # (NaN/Inf gradients are the nonfinite detector's)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        worst = np.nanmax(ratio, axis=1)
-    if not np.isfinite(worst).all() or worst.min() < cfg.init_ratio:
-        return None
-    first = ratio[0]
-    bad = [int(j) for j in np.argsort(-np.nan_to_num(first, nan=-1)) if first[j] >= cfg.init_ratio]
-    names = [rt.param_names[mats[j]] for j in bad]
-    step = int(rt.step_index[rows[0]])
-    summary = (f"Gradients larger than the weights themselves from the first step: at step {step} the gradient "
-               f"norm of {names[0]} is {first[bad[0]]:.3g}x its weight norm, and {len(names)} weight tensor(s) are "
-               f"above {cfg.init_ratio:g}x on each of the first {len(rows)} measured steps (a healthy "
-               f"initialisation gives well under 1x): the initialisation, or the scale of the inputs, is broken.")
-    evidence = {
-        "from_initialisation": True,
-        "grad_to_weight_ratio_at_first_step": {names[k]: float(first[j]) for k, j in enumerate(bad[:20])},
-        "worst_ratio_per_measured_step": [float(x) for x in worst],
-        "measured_steps": [int(rt.step_index[r]) for r in rows],
-        "threshold": cfg.init_ratio,
-    }
-    advice = ("Initialise the weights for the activation (He/Kaiming for ReLU, Xavier/Glorot for tanh; "
-              "orthogonal or spectral radius <= 1 for recurrent matrices), normalise the inputs, and add "
-              "normalisation layers; clipping the gradient norm only hides it.")
-    return Finding(KIND, "error", step, names[:8], summary, evidence, advice)
