@@ -1,7 +1,8 @@
 """A fast subset of the validation corpus (benchmarks/corpus/, scored in full by
 benchmarks/score_corpus.py): real scenarios trained and recorded, their oracles proven by their
 own measurements, scored by the real scorer. The subset holds cases the analyzer gets right
-today, one per kind where one is fast, and healthy controls: a detector change that breaks one
+today, one per kind where one is fast (an attention collapse present from initialisation
+included), and healthy controls: a detector change that breaks one
 fails here before the full corpus is run."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ EXPECTED = {
     "rnn_nonfinite_exp_rate_overflow": "hit",
     "mlp_deep_sigmoid_vanishing": "hit",
     "mlp_dead_relu_negative_bias_init": "hit",
-    "mlp_tanh_chaotic_init": "hit",  # exploding from initialisation (gradient/weight ratio)
     "transformer_attention_collapse_qk_init": "hit",  # one-hot from initialisation
     "mlp_healthy_dropout_wd_clip": "quiet",
     "rnn_healthy_lstm_clip_adam": "quiet",
