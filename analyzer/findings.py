@@ -41,7 +41,7 @@ class Finding:
 
 
 # Within one step, where a fault can arise, in the order the step runs them.
-STAGES = ("batch", "forward", "loss", "backward", "optimizer")
+STAGES = ("batch", "forward", "loss", "loss_backward", "backward", "optimizer")
 
 
 def _order(f: Finding):

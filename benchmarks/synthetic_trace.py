@@ -123,7 +123,7 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
             "lr": np.full(n, 1e-3), "loss_scale": np.full(n, np.nan, f32), "optimizer_steps": np.ones(n),
             # NaN is born in the forward pass of module 1 at the first broken step.
             "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),
-            "batch_nonfinite": np.zeros(n), "nonfinite_consumer": np.full(n, -1), "live_tensors": census,
+            "batch_nonfinite": np.zeros(n), "nonfinite_consumer": np.full(n, -1), "output_grad_nonfinite": np.full(n, -1), "live_tensors": census,
             "live_tensor_bytes": np.where(census > 0, 1 << 30, -1), "live_tensors_with_graph": np.where(census > 0, 0, -1),
         })
         g = level * np.exp(0.3 * rng.standard_normal((n, n_params)))

@@ -149,6 +149,9 @@ class ModuleWatcher:
         self._stats_of: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, row, version)
         self._hists: dict[int, torch.Tensor] = {}  # module -> summed histogram counts
         self._sampled: set[int] = set()  # modules whose output was sampled this step
+        # Whether the gradient that reached the model's outputs in the backward pass held NaN/Inf
+        # (one 0-d device tensor per output, on watched steps): a NaN born in the loss's backward.
+        self._out_grads: list[torch.Tensor] = []
 
     def _stats_row(self, x: torch.Tensor) -> int:
         """Row of x's activation_stats, computed once per tensor (a container returns its last
@@ -224,6 +227,10 @@ class ModuleWatcher:
                 if not outs:
                     return
                 self._calls.append((index, ins, [self._check(x) for x in outs]))
+                if index == 0 and torch.is_grad_enabled():
+                    for x in outs[:4]:
+                        if x.requires_grad:
+                            x.register_hook(self._on_output_grad)  # (observes; returns None)
                 if not self._shape_seen[index]:
                     self._shape_seen[index] = True
                     self._new_shapes.append({
@@ -245,9 +252,18 @@ class ModuleWatcher:
 
         return hook
 
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        try:
+            self._out_grads.append((~torch.isfinite(grad.detach())).any().to(torch.float32))
+        except Exception as e:  # never raise into the backward pass
+            self._on_error(e)
+
     def pack(self, packer: Packer) -> None:
         if not self._mins:  # nothing checked: a step that was not watched
             return
+        if self._out_grads:
+            dev = self._mins[0].device
+            packer.add("out_grad_bad", [t.to(dev) for t in self._out_grads])
         packer.add("pair_min", self._mins)
         packer.add("pair_max", self._maxs)
         if self._stats:
@@ -276,7 +292,7 @@ class ModuleWatcher:
             if self._seen or self._producers or self._hists or self.stack:
                 self._reset()
             return {"output_absmax": self._unmeasured, "origin": -1, "consumer": -1, "neg_origin": -1,
-                    "batch_nonfinite": 0}
+                    "batch_nonfinite": 0, "output_grad_nonfinite": -1}
         mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
         absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
         # A NaN or +Inf is a fault. A -Inf alone is how masks and log-probabilities of impossible
@@ -341,6 +357,8 @@ class ModuleWatcher:
             "origin": origin if origin >= 0 else first_bad,
             "consumer": consumer,
             "neg_origin": neg_origin,
+            # 1: the gradient reaching the model's outputs held NaN/Inf; 0: finite; -1: no backward seen
+            "output_grad_nonfinite": int(host["out_grad_bad"].any()) if "out_grad_bad" in host else -1,
             "batch_nonfinite": int(batch_bad),
         }
         if self._acts:

@@ -935,6 +935,7 @@ class Recorder:
             "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
             "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
             "nonfinite_consumer": mods.get("consumer", -1),
+            "output_grad_nonfinite": mods.get("output_grad_nonfinite", -1),
             "live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs,
             "gc_s": self._gc_s, "gc_gen2": self._gc_gen2,
             "data_wait_s": self._data_wait_s if self._saw_loader else math.nan,

@@ -81,6 +81,9 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("batch_nonfinite", "i1"),
             # The module that turned a -Inf made by nonfinite_origin into NaN/+Inf (-1: none).
             Column("nonfinite_consumer", "i4"),
+            # On watched steps: 1 if the gradient that reached the model's outputs in the backward
+            # pass held NaN/Inf (born in the loss's backward), 0 if finite; -1 not measured.
+            Column("output_grad_nonfinite", "i1"),
             # Census of live tensors, every `census_every` steps (-1 on other steps).
             Column("live_tensors", "i8"),
             Column("live_tensor_bytes", "i8"),

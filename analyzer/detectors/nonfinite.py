@@ -4,8 +4,10 @@ Within a step the order is: the input batch, the forward pass (modules, in the o
 completed), the loss, the backward pass, the optimizer update. The recorder marks, for each
 step, the first module whose output was non-finite while its inputs were finite
 (steps/nonfinite_origin): the module that produced the NaN rather than passed it on. If the
-forward pass was clean, the first parameter the backward pass reached (the last in definition
-order) with a non-finite gradient is named; if gradients were clean but weights went
+forward pass was clean, and the gradient that reached the model's outputs was already
+non-finite (checked on watched steps), the NaN was born in the loss function's backward;
+otherwise the first parameter the backward pass reached (the last in definition order) with a
+non-finite gradient is named; if gradients were clean but weights went
 non-finite after the update, the optimizer is.
 
 Module outputs are checked on the steps the recorder watches (every `activations_every`-th); a
@@ -40,6 +42,10 @@ _ADVICE = {
     "backward": "The gradient is non-finite while the forward pass was finite: an operation whose "
                 "derivative is unbounded at its input (sqrt or pow at 0, norm of a zero vector, acos "
                 "at +-1), or a gradient overflow under fp16 (use a GradScaler). Clip or add eps.",
+    "loss_backward": "Find the operation in the loss whose derivative is unbounded at its input: sqrt or "
+                     "norm of an exact 0 (a distance between identical embeddings: add eps inside the sqrt, "
+                     "sqrt(x + 1e-12)), log of 0 (use log_softmax / BCEWithLogitsLoss), division by a value "
+                     "that can reach 0.",
     "unchecked": "Record again with Recorder(..., activations_every=1), which checks every module's "
                  "output on every step, to name the module where the NaN/Inf was born.",
     "optimizer": "Gradients were finite but the weights went non-finite after the update: a learning "
@@ -113,6 +119,13 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     elif loss_bad[i]:
         stage, where = "loss", []
         what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
+    elif bad_params.size and int(steps["output_grad_nonfinite"].iloc[i]) == 1:
+        # The gradient arriving at the model's outputs was NaN/Inf already: born in the backward
+        # of the loss, outside the model (sqrt/norm of 0, log(0) in a hand-written loss).
+        stage, where = "loss_backward", []
+        what = (f"the forward pass and the loss of step {step} were finite, but the gradient the loss sent "
+                f"back to the model's outputs was already NaN/Inf: it was born in the loss function's backward "
+                f"({len(bad_params)} parameter(s) got NaN/Inf gradients from it)")
     elif bad_params.size:
         first = int(bad_params.max())  # backward reaches the last-defined parameters first
         stage, where = "backward", [rt.param_names[first]]

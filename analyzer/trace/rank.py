@@ -510,6 +510,7 @@ _OPTIONAL_STEP_COLUMNS = {
     "optimizer_steps": -1,
     "nonfinite_consumer": -1,  # (added later: the module that made a -Inf a fault)
     "loss_given": -1,  # (added later: 1 if rec.step() was given a loss; -1: not said)
+    "output_grad_nonfinite": -1,  # (added later: the gradient at the model's outputs held NaN/Inf)
 }
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)

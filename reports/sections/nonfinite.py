@@ -30,6 +30,8 @@ def phrase(fs: list[Finding]) -> Text:
         return text(f"the input batch of {at} held NaN/Inf")
     if stage == "loss":
         return text(f"the loss went NaN/Inf at {at} while every module output was finite")
+    if stage == "loss_backward":
+        return text(f"the gradient the loss sent back to the model went NaN/Inf at {at}: born in the loss's backward")
     if stage == "unchecked":
         return text(f"the loss went NaN/Inf at {at}, a step whose module outputs were not checked")
     if stage == "backward" and f.where:
@@ -68,7 +70,7 @@ def _figure_for(ctx: Context, f: Finding) -> Figure:
     span, note = ctx.window(rt, f.step)
     if stage == "forward" and f.where and f.where[0] in rt.module_names:
         return _forward(ctx, f, rt, span, note)
-    if stage in ("backward", "optimizer"):
+    if stage in ("backward", "loss_backward", "optimizer"):
         return _gradients(ctx, f, rt, span, note)
     title = ctx.title_rank("Loss around the first NaN/Inf", f.rank)
     loss = rt.steps["loss"]

@@ -212,3 +212,24 @@ def test_a_nan_loss_with_zero_gradients_is_found_and_put_in_the_loss(every):
     assert f.step == BAD and f.where == [] and f.evidence["stage"] in ("loss", "unchecked"), f
     if every == 1:
         assert f.evidence["stage"] == "loss" and "every module output was finite" in f.summary
+
+
+def test_a_nan_born_in_the_loss_functions_backward_is_put_in_the_loss():
+    """A hand-written distance loss, sqrt(sum((a - b)^2)), meets a pair of identical rows at
+    step BAD: the forward and the loss are finite (0), sqrt's derivative at 0 is Inf, and the
+    gradient reaching the model's outputs is NaN. No module is to blame: the loss's backward is."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def batch(step):
+        x, _ = _batch(step)
+        if step == BAD:
+            x[8:] = x[:8]  # the second half of the batch pairs each row with itself
+        return x, None
+
+    def distance(out, _):
+        a, b = out[:8], out[8:]
+        return torch.sqrt(((a - b) ** 2).sum(dim=1)).mean()
+
+    f = _train(model, batch=batch, loss_fn=distance, activations_every=1)
+    assert f.step == BAD and f.evidence["stage"] == "loss_backward" and f.where == [], f
+    assert "born in the loss function's backward" in f.summary and "sqrt" in f.advice
