@@ -11,7 +11,8 @@ analyzer in this process, with the detectors' defaults or --config's thresholds.
 
 Verdicts. A broken scenario is *found* when a finding of its kind has severity warning or error;
 its *where* is right when a name the finding gives matches one the oracle accepts (a parameter
-matches its module, a module its parameters and submodules); its *step* is right when within the
+matches its module, a module its parameters and submodules), or, for a NaN born in the loss
+function (oracle where "<loss>"), when it names no module; its *step* is right when within the
 oracle's tolerance. A healthy control raises a *false alarm* when any finding has severity
 warning or error. Other warnings on a broken run are listed, not scored.
 """
@@ -33,7 +34,7 @@ from dataclasses import asdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: benchmarks.corpus
 
-from benchmarks.corpus.base import KINDS, SCENARIOS, Oracle, split  # noqa: E402
+from benchmarks.corpus.base import KINDS, LOSS, SCENARIOS, Oracle, split  # noqa: E402
 
 TIMEOUT_S = 600
 
@@ -114,7 +115,10 @@ def score(name: str, out: str, cfg) -> dict:
         row["verdict"] = "missed"
         return row
     f = mine[0]
-    row["where_ok"] = not oracle["where"] or any(_matches(r, a) for r in f.where for a in oracle["where"])
+    if oracle["where"] == [LOSS]:  # born in the loss: no module named (or the model computing its loss)
+        row["where_ok"] = f.where in ([], [""])
+    else:
+        row["where_ok"] = not oracle["where"] or any(_matches(r, a) for r in f.where for a in oracle["where"])
     row["step_ok"] = oracle["step"] is None or (f.step is not None and abs(f.step - oracle["step"]) <= oracle["step_tolerance"])
     row["found"] = {"step": f.step, "where": f.where[:5], "severity": f.severity}
     row["verdict"] = "hit" if row["where_ok"] and row["step_ok"] else \

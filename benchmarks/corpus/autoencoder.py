@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Oracle, grad_norms, record_loop, rss_mib, scenario, seed_all
+from .base import LOSS, Oracle, grad_norms, record_loop, rss_mib, scenario, seed_all
 
 RELUS = ["act1", "act2", "act3", "act4", "act5"]
 CONV_BEFORE = {"act1": "enc1", "act2": "enc2", "act3": "enc3", "act4": "dec1", "act5": "dec2"}
@@ -267,7 +267,7 @@ def autoencoder_bce_saturated_nan(run_dir: str) -> Oracle:
     finite_out, n_one, n_zero = out_ok[step]
     assert finite_out and (n_one > 0 or n_zero > 0), out_ok[step]
     assert step > 10
-    return Oracle("nonfinite", step=step, where=["sig", "out"], step_tolerance=0,
+    return Oracle("nonfinite", step=step, where=[LOSS], step_tolerance=0,
                   evidence={"loss_before": losses[step - 1], "pixels_exactly_1": n_one, "pixels_exactly_0": n_zero,
                             "loss_first": losses[0]})
 

@@ -26,6 +26,12 @@ KINDS = ("exploding_gradients", "vanishing_gradients", "nonfinite", "dead_relu",
          "memory_leak")
 
 
+# Oracle.where of a NaN/Inf born in the loss function (its forward or its backward), outside the
+# model's modules: a right diagnosis says so and names no module (issue 22: "the NaN was born in
+# the loss function: say so"); the model itself is accepted where it computes its own loss.
+LOSS = "<loss>"
+
+
 @dataclass
 class Oracle:
     """What the scenario proved, measured without torchautopsy.

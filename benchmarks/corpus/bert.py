@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .base import Oracle, attention_entropy, first_step, grad_norms, record_loop, scenario, seed_all
+from .base import LOSS, Oracle, attention_entropy, first_step, grad_norms, record_loop, scenario, seed_all
 
 V, T, E, LAYERS, HEADS = 64, 32, 32, 2, 2
 COLLAPSED = 0.1  # a layer's attention is collapsed when its mean normalised entropy is below this (near one-hot)
@@ -283,7 +283,7 @@ def bert_nonfinite_sqrt_distance_backward(run_dir: str) -> Oracle:
     assert math.isfinite(losses[bad_step]) and all(map(math.isfinite, losses[:bad_step]))
     assert all(math.isfinite(v) for s in range(bad_step) for v in per_step[s].values())
     assert {"pooler.dense.weight", "pooler.dense.bias"} <= set(nonfinite_params), nonfinite_params
-    return Oracle("nonfinite", step=bad_step, where=["pooler.activation", "pooler.dense"], step_tolerance=0,
+    return Oracle("nonfinite", step=bad_step, where=[LOSS], step_tolerance=0,
                   evidence={**seen, "loss_at": losses[bad_step], "loss_after": str(losses[bad_step + 1]),
                             "params_with_nonfinite_grad_at_step": len(nonfinite_params),
                             "params": len(per_step[bad_step])})

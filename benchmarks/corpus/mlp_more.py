@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Activity, Oracle, first_step, grad_norms, record_loop, rss_mib, scenario, seed_all
+from .base import LOSS, Activity, Oracle, first_step, grad_norms, record_loop, rss_mib, scenario, seed_all
 
 
 # -- synthetic data ------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def mlp_neglog_softmax_underflow(run_dir: str) -> Oracle:
     assert step == bad and seen["logits_finite"][step], (step, seen["logits_finite"][step or 0])
     out = _linear_names(model)[-1]
     assert not math.isfinite(norms[step][f"{out}.weight"])
-    return Oracle("nonfinite", step=step, where=[out], step_tolerance=0,
+    return Oracle("nonfinite", step=step, where=[LOSS], step_tolerance=0,
                   evidence={"first_nonfinite_loss_step": step, "logits_finite_then": True,
                             "grad_norm_out_weight_then": str(norms[step][f"{out}.weight"])})
 
@@ -281,7 +281,7 @@ def mlp_siamese_sqrt_zero_distance(run_dir: str) -> Oracle:
     assert step == dup and seen["loss_finite"][step] and seen["emb_finite"][step], step
     out = _linear_names(model)[-1]
     assert not math.isfinite(norms[step][f"{out}.weight"])
-    return Oracle("nonfinite", step=step, where=[out], step_tolerance=0,
+    return Oracle("nonfinite", step=step, where=[LOSS], step_tolerance=0,
                   evidence={"first_nonfinite_grad_step": step, "loss_finite_then": True,
                             "grad_norm_out_weight_then": str(norms[step][f"{out}.weight"])})
 
