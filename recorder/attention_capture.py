@@ -108,11 +108,15 @@ class AttentionTracker:
         return None
 
     def on_attention(self, fn: str, args, kwargs, out) -> None:
-        """A call of F.scaled_dot_product_attention (from the wrapper in functional.py)."""
+        """A call of F.scaled_dot_product_attention or F.softmax (from the wrappers in
+        functional.py)."""
         if not self.sampled:
             return
         frame = self.watcher.current()
         if frame is None:
+            return
+        if fn == "softmax":
+            self._softmax(frame, args, kwargs, out)
             return
         if isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
             # MultiheadAttention's own call: its site, with the projections it made; without
@@ -133,6 +137,27 @@ class AttentionTracker:
         )
         if res is not None:
             self._observe(key, *res)
+
+    def _softmax(self, frame, args, kwargs, out) -> None:
+        """A softmax over the last dim of a (batch, heads, queries, keys) tensor, called inside a
+        module's forward (not nn.MultiheadAttention's own: seen by its hooks): attention written
+        out by hand. Its output is the probabilities; the keys a row may attend to are those the
+        mask left above half the dtype's lowest value (a mask adds -inf or finfo.min; a sharp
+        but unmasked row keeps finite logits, whose probabilities may underflow to 0)."""
+        x = call_arg(args, kwargs, 0, "input")
+        dim = call_arg(args, kwargs, 1, "dim")
+        if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and out.dim() == 4
+                and dim in (-1, 3) and out.is_floating_point() and out.shape[-1] > 1):
+            return
+        if isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
+            return
+        frame[2] += 1
+        with torch.no_grad():
+            n = min(4, out.shape[0])  # (a slice of the batch, as for the other sources)
+            logits = x[:n].detach()
+            allowed = torch.isfinite(logits) & (logits > torch.finfo(logits.dtype).min / 2) \
+                if logits.is_floating_point() else None
+            self._observe((frame[0], "softmax", frame[2] - 1), out[:n].detach().float(), allowed)
 
     def _observe(self, key, probs: torch.Tensor, allowed) -> None:
         site = self.sites.get(key)

@@ -36,7 +36,9 @@ _ACTIVATIONS = (
     (F, "relu"), (F, "relu6"), (F, "leaky_relu"), (F, "gelu"), (F, "hardtanh"),
     (F, "tanh"), (F, "sigmoid"), (torch, "relu"), (torch, "tanh"), (torch, "sigmoid"),
 )
-_ATTENTION = ((F, "scaled_dot_product_attention"),)
+# F.softmax: attention written out by hand (Hugging Face's eager attention: matmul, mask added,
+# nn.functional.softmax, matmul), where the probabilities are the call's own output.
+_ATTENTION = ((F, "scaled_dot_product_attention"), (F, "softmax"))
 
 try:
     # True while Dynamo traces (a constant in the traced code); False in eager code.
