@@ -6,7 +6,6 @@ run in the directory are named in one line."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,62 +16,14 @@ import h5py
 import pytest
 
 from tests.helpers import SAMPLES, run_cli
-
-# Attempt 1 ("first"): SGD, a NaN planted in the batch of step 35, flushed and killed at step 41
-# (its checkpoint was at 30). Attempt 2 ("resume"): from the checkpoint, start_step=30 (SGD keeps
-# no step count), steps 30-59, clean.
-JOB = textwrap.dedent("""
-    import sys
-    import torch
-    from torch import nn
-    from torchautopsy import Recorder
-
-    torch.set_num_threads(1)
-    run_dir, ckpt, mode = sys.argv[1:4]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    first = 0
-    if mode == "resume":
-        state = torch.load(ckpt)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        first = state["step"]
-    rec = Recorder(model, run_dir, flush_every_s=0.2, start_step=first)
-    for step in range(first, 60):
-        x = torch.randn(16, 8)
-        if mode == "first" and step == 35:
-            x[0, 0] = float("nan")
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rec.step(loss=loss)
-        if mode == "first" and step == 29:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 30}, ckpt)
-        if mode == "first" and step == 41:
-            rec.flush()
-            print("flushed", flush=True)
-            sys.stdin.read()  # killed here
-    rec.close()
-""")
-
+from tests.recorder.recorder_testlib import killed_then_resumed
 
 @pytest.fixture(scope="module")
 def restarted():
+    """Attempt 1 (SGD): a NaN in the batch of step 35, killed at step 41 after its checkpoint at
+    30. Attempt 2: from the checkpoint, start_step=30 (SGD keeps no step count), steps 30-59."""
     d = tempfile.mkdtemp(prefix="restart_")
-    script = os.path.join(d, "job.py")
-    with open(script, "w") as f:
-        f.write(JOB)
-    run, ckpt = os.path.join(d, "run"), os.path.join(d, "ckpt.pt")
-    first = subprocess.Popen([sys.executable, script, run, ckpt, "first"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert first.stdout.readline().strip() == "flushed", first.stderr.read()
-    first.send_signal(signal.SIGKILL)
-    first.wait(30)
-    second = subprocess.run([sys.executable, script, run, ckpt, "resume"], capture_output=True, text=True,
-                            timeout=300)
-    assert second.returncode == 0, second.stderr
+    run = killed_then_resumed(d, start="30", optimizer="sgd")
     yield d, run
     shutil.rmtree(d, ignore_errors=True)  # (this module's own directory only)
 

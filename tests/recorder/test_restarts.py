@@ -9,11 +9,8 @@ import hashlib
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import textwrap
 import warnings
 
 import h5py
@@ -25,81 +22,15 @@ from torch import nn
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.run import analyze
 
+from tests.recorder.recorder_testlib import killed_then_resumed
+
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-
-# Trains an MLP with Adam, checkpoints after step 29 (30 optimizer steps), plants a NaN in the
-# batch of step 35 of the first attempt, and at step 41 flushes and waits to be killed. With
-# --resume it loads the checkpoint and trains steps 30-59 cleanly; START (an int) is passed as
-# start_step, "auto" lets the recorder read the step from Adam's state.
-JOB = textwrap.dedent("""
-    import sys
-    import torch
-    from torch import nn
-    from torchautopsy import Recorder
-
-    torch.set_num_threads(1)
-    run_dir, ckpt, mode, start = sys.argv[1:5]
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = (torch.optim.Adam if sys.argv[5] == "adam" else torch.optim.SGD)(model.parameters(), lr=1e-2)
-    first = 0
-    if mode == "resume":
-        state = torch.load(ckpt)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        first = state["step"]
-    options = {} if start == "auto" else {"start_step": int(start)}
-    rec = Recorder(model, run_dir, flush_every_s=0.2, **options)
-    for step in range(first, 60):
-        torch.manual_seed(1000 + step)
-        x = torch.randn(16, 8)
-        if mode == "first" and step == 35:
-            x[0, 0] = float("nan")
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rec.step(loss=loss)
-        if mode == "first" and step == 29:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 30}, ckpt)
-        if mode == "first" and step == 41:
-            rec.flush()
-            print("flushed", flush=True)
-            sys.stdin.read()  # killed here
-    rec.close()
-    print("done", flush=True)
-""")
-
 
 @pytest.fixture
 def workdir():
     d = tempfile.mkdtemp(prefix="restart_")
     yield d
     shutil.rmtree(d, ignore_errors=True)  # (this test's own directory only)
-
-
-def _job(workdir: str, mode: str, start: str = "auto", optimizer: str = "adam") -> subprocess.Popen:
-    script = os.path.join(workdir, "job.py")
-    if not os.path.exists(script):
-        with open(script, "w") as f:
-            f.write(JOB)
-    return subprocess.Popen([sys.executable, script, os.path.join(workdir, "run"), os.path.join(workdir, "ckpt.pt"),
-                             mode, start, optimizer], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=workdir)
-
-
-def killed_then_resumed(workdir: str, start: str = "auto", optimizer: str = "adam") -> str:
-    """Attempt 1 SIGKILLed at step 41 (after its checkpoint at 30 and its NaN at 35), then
-    attempt 2 from the checkpoint, into the same run directory. Returns the run directory."""
-    first = _job(workdir, "first", "auto", optimizer)
-    assert first.stdout.readline().strip() == "flushed", first.stderr.read()
-    first.send_signal(signal.SIGKILL)
-    first.wait(30)
-    assert first.returncode == -signal.SIGKILL
-    second = _job(workdir, "resume", start, optimizer)
-    out, err = second.communicate(timeout=300)
-    assert second.returncode == 0 and out.strip() == "done", err
-    return os.path.join(workdir, "run")
 
 
 def _attrs(path: str) -> dict:
