@@ -26,7 +26,7 @@ from torch import nn
 
 from .hooks import ModuleWatcher
 from .sharding import is_sharded, local
-from .stats import Packer
+from .stats import Packer, floating_tensors
 
 def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list, buffer_copies: list) -> dict:
     """Run the step's forward calls ``inputs`` [(args, kwargs), ...] on a copy of ``model`` whose
@@ -39,7 +39,8 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
     if _distributed(model):
         # Its forward would talk to the other ranks (FSDP2 gathers its shards, DDP syncs
         # buffers), which are not replaying: a hang. Only the inputs are checked.
-        if any(_nonfinite(x) for args, kwargs in inputs for x in (*args, *kwargs.values())):
+        if any(not bool(torch.isfinite(local(t)).all())
+               for args, kwargs in inputs for t in floating_tensors((args, kwargs), limit=64)):
             return {"origin": -1, "batch_nonfinite": 1, "reproduced": True,
                     "replay": "the input batch (a distributed model is not replayed; its inputs were checked)"}
         return {"replay": "not replayed: the forward of a distributed (DDP, FSDP2) model talks to the other ranks"}
@@ -93,13 +94,3 @@ def _distributed(model: nn.Module) -> bool:
     return any(isinstance(m, DistributedDataParallel) for m in model.modules()) or \
         any(map(is_sharded, model.parameters()))
 
-
-def _nonfinite(x, depth: int = 0) -> bool:
-    """A floating tensor in x (or in its lists, tuples and dicts) holds NaN/Inf."""
-    if isinstance(x, torch.Tensor):
-        return x.is_floating_point() and not bool(torch.isfinite(local(x)).all())
-    if depth < 3 and isinstance(x, (list, tuple)):
-        return any(_nonfinite(v, depth + 1) for v in x)
-    if depth < 3 and isinstance(x, dict):
-        return any(_nonfinite(v, depth + 1) for v in x.values())
-    return False
