@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,22 +26,23 @@ SCRIPT = Path(__file__).with_name("torchrun_train.py")
 BAD = 6  # torchrun_train.BAD
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(mode: str, recording: str) -> tuple[Path, list[dict], str]:
     """(run directory, each rank's out.json, stderr) of one 2-process job."""
     root = Path(tempfile.mkdtemp(prefix=f"torchrun_{mode}_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(SCRIPT), mode, str(root / "run"), recording, str(root / "out.json")]
+    # --standalone: the rendezvous binds a port of its own choosing (no race for a port picked here)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), mode, str(root / "run"), recording, str(root / "out.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, _first_errors(r.stderr)
     outs = [json.loads((root / f"out.json.rank{k}").read_text()) for k in (0, 1)]
     return root / "run", outs, r.stderr
+
+
+def _first_errors(stderr: str) -> str:
+    """The ranks' own lines first (a rank's traceback, an abort), then torchrun's summary's end."""
+    ranks = [line for line in stderr.splitlines() if line.startswith("[rank") or "terminate" in line]
+    return "\n".join(ranks[:40]) + "\n...\n" + stderr[-1500:]
 
 
 def _ours(stderr: str) -> list[str]:
