@@ -19,6 +19,24 @@ class ExplodingGradientsConfig:
     window: int = 5
     # A single-step jump this many times the baseline, not sustained, is reported as a warning.
     spike_ratio: float = 1000.0
+    # Dating: an event began where the norm first stood `onset_factor` x above the median of the
+    # `pre_window` healthy steps before it (and stayed so); the parameters named grew most there.
+    # 30x, an order and a half of magnitude: tuned on the tuning half, whose oracles date a ramp
+    # of ~3x a step at its 10x or its 100x crossing (within 2 steps of both).
+    onset_factor: float = 30.0
+    pre_window: int = 50
+    # Present from the first steps, judged across depth (see detectors/_exploding_at_init.py).
+    # Backward: the first third of the weights' gradient RMS over the last third's, median of
+    # the first `depth_steps` steps; two orders of magnitude, as `sustained_ratio` (the
+    # vanishing detector's mirror). Healthy corpus runs stay under ~30.
+    depth_ratio: float = 100.0
+    depth_steps: int = 5
+    # Forward: on the first watched step, `chain_layers` or more successive weighted layers'
+    # outputs each at least `layer_gain` x the one before, `activation_growth` x in all (He et
+    # al. 2015: a gain g per layer multiplies the signal by g^depth). Healthy corpus runs: <4x.
+    activation_growth: float = 100.0
+    layer_gain: float = 1.5
+    chain_layers: int = 4
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Score the analyzer on the validation corpus (benchmarks/corpus/): recall, false alarms, and
 where/step accuracy per finding kind, on the tuning half, the held-out half, or both.
 
-    python benchmarks/score_corpus.py [--out DIR] [--jobs N] [--split tune|holdout|all]
+    python benchmarks/score_corpus.py [--out DIR] [--jobs N] [--split tune|holdout|fresh|all]
                                       [--rerun] [--config FILE.toml] [--list] [NAME ...]
 
 Each scenario trains in a process of its own and writes DIR/<name>/run (the trace) and
@@ -128,7 +128,7 @@ def score(name: str, out: str, cfg) -> dict:
 
 def report(rows: list[dict]) -> str:
     lines = []
-    for part in ("tune", "holdout", "all"):
+    for part in ("tune", "holdout", "fresh", "all"):
         sel = [r for r in rows if part == "all" or r["split"] == part]
         if not sel:
             continue
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*")
     p.add_argument("--out", default=os.path.join(HERE, "results", "corpus"))
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--split", choices=("tune", "holdout", "all"), default="all")
+    p.add_argument("--split", choices=("tune", "holdout", "fresh", "all"), default="all")
     p.add_argument("--rerun", action="store_true", help="train again even where a trace is kept")
     p.add_argument("--config", help="detector thresholds (TOML), as analyze --config")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")

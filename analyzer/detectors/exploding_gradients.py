@@ -1,9 +1,15 @@
 """exploding_gradients: the total gradient norm grows without bound or jumps by orders of magnitude.
 
-Heuristic: take the median total gradient norm over the first finite steps as the baseline.
-Sustained growth (the trailing median over `window` steps above `sustained_ratio` x baseline) is
-an error; a lone jump above `spike_ratio` x baseline that does not last is a warning. The
-parameters named are those whose own gradient norm grew most against their own baseline.
+Two definitions, both from what the pathology is (Pascanu et al. 2013; He et al. 2015):
+
+- Present from the first steps, across depth (``_exploding_at_init``): early layers' weight
+  gradients >= 100x the late layers', or activations growing >= 100x through successive layers.
+- Arising in the run: the median total gradient norm over the first healthy steps (finite, non-
+  zero, loss not exactly 0) is the baseline. Sustained growth (the trailing median over `window`
+  steps above `sustained_ratio` x baseline, 100) is an error; a lone jump above `spike_ratio`
+  (1000) x baseline is a warning. The event is dated where the norm first stood `onset_factor`
+  (30) x above the healthy steps just before it, and the parameters named are those whose own
+  gradient norm grew most there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from ..config import ExplodingGradientsConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
+from ._exploding_at_init import detect_at_init
 from ._missing import no_gradients
 from ._schedule import lr_context
 
@@ -33,10 +40,18 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     missing = no_gradients(rt, KIND)
     if missing:
         return missing
+    return detect_at_init(rt, cfg, ADVICE, KIND) + _growth(rt, cfg)
+
+
+def _growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
+    """The run against its own healthy steps: sustained growth or a jump of the total norm."""
     total = rt.total_grad_norm.to_numpy()
     steps = rt.step_index
-    finite = np.isfinite(total) & (total > 0)
-    idx = np.flatnonzero(finite)
+    loss = rt.steps["loss"].to_numpy()
+    # A baseline from healthy steps only: a step whose loss is exactly 0 has (near) zero
+    # gradients, against which any ordinary gradient would look like an explosion.
+    healthy = np.isfinite(total) & (total > 0) & (loss != 0)
+    idx = np.flatnonzero(healthy)
     n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
     if len(idx) < n_base + 1:
         return []
@@ -61,20 +76,22 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
             return []
         i = int(spikes[0])
         severity, how = "warning", "jumped"
+    i, pre = _run_up(total, healthy, i, base_idx[-1] + 1, cfg)
 
     finite_after = np.flatnonzero(np.isfinite(total) & (np.arange(len(total)) >= i))
     peak_i = int(finite_after[np.argmax(total[finite_after])]) if finite_after.size else i
     first_nonfinite = np.flatnonzero(~np.isfinite(total) & (np.arange(len(total)) >= i))
 
-    # Which parameters: growth of each one's own norm at the peak against its own baseline.
-    # Only the rows it needs are read: the baseline's and the peak's.
-    rows = np.unique(np.append(base_idx, peak_i))
+    # Which parameters: where the explosion began, each one's norm at the onset against its own
+    # norm over the healthy steps just before. Only the rows it needs are read.
+    rows = np.unique(np.append(pre, i))
     g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a parameter without any gradient
-        p_base = np.nanmedian(g[np.searchsorted(rows, base_idx)], axis=0)
-        p_growth = g[np.searchsorted(rows, peak_i)] / p_base
-    order = [j for j in np.argsort(-np.nan_to_num(p_growth, nan=-1.0)) if np.isfinite(p_growth[j])]
+        p_base = np.nanmedian(g[np.searchsorted(rows, pre)], axis=0)
+        p_growth = g[np.searchsorted(rows, i)] / p_base
+    order = [j for j in np.argsort(-np.nan_to_num(p_growth, nan=-1.0, posinf=np.finfo(float).max))
+             if not np.isnan(p_growth[j])]
     top = order[:3]
     where = [rt.param_names[j] for j in top]
 
@@ -102,3 +119,20 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     if lr_clause:
         summary = summary[:-1] + f"; it began {lr_clause}."
     return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]
+
+
+def _run_up(total: np.ndarray, healthy: np.ndarray, i: int, lo: int,
+            cfg: ExplodingGradientsConfig) -> tuple[int, np.ndarray]:
+    """Date the event where it began: walk back from step index i while the norm was already
+    `onset_factor` x (an order of magnitude) above the healthy steps before the event (or not
+    finite). Returns the onset and the rows of those healthy steps."""
+    before = np.flatnonzero(healthy[:i])
+    pre = before[-cfg.pre_window:]
+    if not pre.size:
+        return i, np.array([i])
+    level = float(np.median(total[pre]))
+    j = i
+    while j - 1 >= lo and not total[j - 1] < cfg.onset_factor * level:
+        j -= 1
+    pre = before[before < j][-cfg.pre_window:]
+    return j, pre if pre.size else np.array([j])

@@ -1,0 +1,140 @@
+"""exploding_gradients present from the first steps, judged across depth (issue 22).
+
+A network that explodes from its initialisation is its own normal: comparing the run with its
+start finds nothing. What defines the pathology is how the signal changes through depth:
+
+- Backward: each layer of a network in the chaotic regime (Poole et al. 2016, Schoenholz et al.
+  2017), or a recurrent layer whose weights have a spectral radius above 1 (Pascanu et al. 2013),
+  multiplies the gradient by a factor > 1 on its way to the input. The weight gradients' RMS of
+  the first third of the layers is orders of magnitude above the last third's (the mirror of the
+  vanishing detector).
+- Forward: weights drawn too large (std above He's sqrt(2/fan_in), He et al. 2015) multiply the
+  activations by a gain > 1 per layer; the gradient of every layer then scales with that product
+  while the ratio between layers stays ~1. Seen as the outputs of successive weighted layers
+  growing geometrically on the first watched step.
+
+Weighted layers are leaf modules owning a weight, less embeddings (an embedding table's gradient
+is sparse, its RMS says nothing about depth) and normalisation layers (they reset the scale).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from ..config import ExplodingGradientsConfig
+from ..findings import Finding
+from ..trace import RankTrace
+
+_NOT_DEPTH = ("Embedding", "Norm")  # module types skipped (EmbeddingBag, LayerNorm, BatchNorm2d...)
+
+
+def weighted_layers(rt: RankTrace) -> list[tuple[str, list[int]]]:
+    """(module, its weight parameters' columns) for the leaf modules owning a weight of 2+
+    dimensions, in the model's definition order, less embeddings and normalisation layers."""
+    types = dict(zip(rt.module_names, rt.module_types))
+    leaves = {m for m, leaf in zip(rt.module_names, rt.module_is_leaf) if leaf}
+    layers: dict[str, list[int]] = {}
+    for j, (name, shape) in enumerate(zip(rt.param_names, rt.param_shapes)):
+        module, _, leaf_name = name.rpartition(".")
+        if len(shape) < 2 or not leaf_name.startswith("weight") or module not in leaves:
+            continue
+        if any(t in types.get(module, "") for t in _NOT_DEPTH):
+            continue
+        layers.setdefault(module, []).append(j)
+    return list(layers.items())
+
+
+def detect_at_init(rt: RankTrace, cfg: ExplodingGradientsConfig, advice: str, kind: str) -> list[Finding]:
+    layers = weighted_layers(rt)
+    if sum(len(js) for _, js in layers) < 3:
+        return []
+    found = _backward(rt, cfg, layers, advice, kind)
+    return found or _forward(rt, cfg, layers, advice, kind)
+
+
+def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
+    """Early layers' weight-gradient RMS >= depth_ratio x the late layers', over the first steps."""
+    cols = [j for _, js in layers for j in js]
+    n = min(cfg.depth_steps, rt.n_steps)
+    if n < 1:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        g = rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64)[:, cols]
+        rms = g / np.sqrt(rt.param_numel[cols].astype(np.float64))
+        rms[~np.isfinite(rms) | (rms <= 0)] = np.nan
+        ok = ~np.isnan(rms).all(axis=1)
+        if ok.sum() < min(n, cfg.depth_steps):
+            return []  # a first step without gradients (or with NaNs) cannot be judged here
+        med = np.nanmedian(rms[ok], axis=0)
+    third = max(1, len(cols) // 3)
+    early, late = med[:third], med[len(cols) - third:]
+    late_med = float(np.nanmedian(late))
+    if not (np.isfinite(late_med) and late_med > 0) or np.isnan(early).all():
+        return []
+    ratio = float(np.nanmax(early)) / late_med
+    if ratio < cfg.depth_ratio:
+        return []
+    names = [rt.param_names[j] for j in cols]
+    order = [k for k in np.argsort(-np.nan_to_num(early, nan=-1.0)) if early[k] >= cfg.depth_ratio * late_med]
+    where = [names[k] for k in order[:3]]
+    span = [int(rt.step_index[0]), int(rt.step_index[n - 1])]
+    evidence = {
+        "steps": span,
+        "early_to_late_rms_ratio": ratio,
+        "threshold_ratio": cfg.depth_ratio,
+        "early_grad_rms": {names[k]: float(early[k]) for k in range(third)},
+        "late_grad_rms": {names[len(cols) - third + k]: float(late[k]) for k in range(third)},
+    }
+    summary = (f"Gradients grow towards the input from the first step: the early layers' weight "
+               f"gradients are {ratio:.3g}x the late layers' (RMS {float(np.nanmax(early)):.3g} in {where[0]} vs "
+               f"median {late_med:.3g} in the last layers, steps {span[0]}-{span[1]}); each layer "
+               f"multiplies the gradient on its way back, as in a network initialised in the chaotic "
+               f"regime or a recurrent layer whose weights have a spectral radius above 1.")
+    return [Finding(kind, "warning", span[0], where, summary, evidence, advice)]
+
+
+def _forward(rt, cfg, layers, advice, kind) -> list[Finding]:
+    """Successive weighted layers' outputs growing >= activation_growth x over a chain of them,
+    each at least `layer_gain` x the one before, on the first watched step."""
+    if rt.n_samples("activations") == 0:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = rt.activation_stat("mean", rows=[0])
+        std = rt.activation_stat("std", rows=[0])
+    step = int(mean.index[0])
+    col = {m: k for k, m in enumerate(rt.module_names)}
+    names = [m for m, _ in layers]
+    m0 = mean.to_numpy(dtype=np.float64)[0]
+    s0 = std.to_numpy(dtype=np.float64)[0]
+    rms = np.array([np.hypot(m0[col[m]], s0[col[m]]) for m in names])
+    best = None  # (growth, first, last) of the chain with the largest growth
+    start = 0
+    for k in range(1, len(rms) + 1):
+        grows = k < len(rms) and np.isfinite(rms[k]) and rms[k - 1] > 0 and rms[k] >= cfg.layer_gain * rms[k - 1]
+        if not grows:
+            if k - 1 - start >= cfg.chain_layers - 1 and rms[start] > 0:
+                growth = float(rms[k - 1] / rms[start])
+                if best is None or growth > best[0]:
+                    best = (growth, start, k - 1)
+            start = k
+    if best is None or best[0] < cfg.activation_growth:
+        return []
+    growth, a, b = best
+    chain = names[a:b + 1]
+    per_layer = growth ** (1.0 / (b - a))
+    evidence = {
+        "step": step,
+        "activation_growth": growth,
+        "threshold_growth": cfg.activation_growth,
+        "gain_per_layer": per_layer,
+        "output_rms": {m: float(rms[a + k]) for k, m in enumerate(chain)},
+    }
+    summary = (f"Activations explode through depth from the first watched step (step {step}): the "
+               f"outputs of {len(chain)} successive layers grow {growth:.3g}x, from RMS {rms[a]:.3g} at "
+               f"{chain[0]} to {rms[b]:.3g} at {chain[-1]} (a gain of {per_layer:.2g} per layer); every "
+               f"gradient scales with that product, as with weights initialised too large.")
+    return [Finding(kind, "warning", step, chain[:3], summary, evidence, advice)]
