@@ -34,7 +34,7 @@ from .hooks import ModuleWatcher
 from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
-from .schedule import OptimizerSchedule
+from .schedule import Jumps, OptimizerSchedule
 from .stats import Packer, l2_norm_values, l2_norms, takes_dots
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
@@ -151,6 +151,9 @@ class Recorder:
         self._watched = False
         self._replayed: dict | None = None
         self._next_watch = 0  # the next step whose modules are all hooked (_plan)
+        self._jumps = Jumps()  # a sudden jump of the loss or lr: the next watches come densely
+        self._burst = 0  # watched steps still to take at the base gap after a jump
+        self._jumped = False  # this step jumped (set by _write_step, used by _plan)
         self._t_last_step: float | None = None
         self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent plain step times
         # The next sampled update ratio (_record_step plans it); its weights are copied one step
@@ -511,6 +514,10 @@ class Recorder:
                 # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
                 self._next_watch = step + self._budget_gap(step, over, plain, cfg.watch_budget, base,
                                                            max(base, -(-cfg.activity_window // base) * base))
+                if self._burst:
+                    self._next_watch, self._burst = step + base, self._burst - 1
+        if self._jumped:  # watch the next step, then 4 more at the base gap (40 steps on)
+            self._next_watch, self._burst, self._jumped = step + 1, 4, False
 
     def _plain_step_s(self) -> float | None:
         """Median time of the recent plain steps (neither watched nor part of an update-ratio
@@ -919,6 +926,7 @@ class Recorder:
         if t_called - self._rss_at >= RSS_EVERY_S:
             self._rss, self._rss_at = rss_bytes(), t_called
         rss, time_s = self._rss, time.time()
+        self._jumped = self._jumps.seen(step, loss_value, self._sched[0])
         n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]

@@ -178,3 +178,35 @@ def test_bf16_autocast_training_is_unchanged(tmp_path):
     rt = torchautopsy.load(tmp_path / "rec").ranks[0]
     assert np.allclose(rt.steps["loss"].to_numpy(), recorded, rtol=1e-6)
     assert math.isnan(rt.steps["loss_scale"].iloc[0]) and (rt.steps["lr"] == 1e-3).all()
+
+
+def _watched_after(tmp_path, name: str, jump_at: int, lr_jump: float = 1.0, data_jump: float = 1.0,
+                   steps: int = 260) -> list[int]:
+    """Watched steps (activations sampled) after step 100 of a run whose lr or data jumps."""
+    model = _mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    # watch_budget tiny: after the warm-up the schedule is as sparse as it goes (50 apart)
+    with torchautopsy.Recorder(model, tmp_path / name, watch_budget=1e-6) as rec:
+        for step in range(steps):
+            if step == jump_at:
+                for group in opt.param_groups:
+                    group["lr"] *= lr_jump
+            x, y = _batch(g, data_jump if step >= jump_at else 1.0)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    watched = torchautopsy.load(tmp_path / name).ranks[0].sample_steps("activations")
+    return [int(s) for s in watched if s > 100]
+
+
+def test_a_jump_of_the_lr_or_the_loss_is_watched_densely_after(tmp_path):
+    """After a jump (lr x10, or inputs x30 so the loss jumps) the next step and 4 more, 10 apart,
+    are watched: what follows a jump is dated to ~10 steps, not the sparse schedule's 50."""
+    quiet = _watched_after(tmp_path, "quiet", jump_at=10**6)
+    assert all(b - a >= 50 for a, b in zip(quiet, quiet[1:])), quiet  # no jump: the sparse schedule
+    for name, kw in (("lr", {"lr_jump": 10.0}), ("loss", {"data_jump": 30.0})):
+        watched = _watched_after(tmp_path, name, jump_at=130, **kw)
+        assert [s for s in watched if 130 <= s <= 172] == [131, 141, 151, 161, 171], (name, watched)
