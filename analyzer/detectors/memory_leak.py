@@ -13,8 +13,9 @@ autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a 
   memory stays flat is the caching allocator, not a leak;
 - a straight line must explain the growth (R^2 >= `min_r2`).
 
-The leak is estimated as the fitted slope (bytes per step), dated from the first step the
-memory rose above its starting level. The tensor census, when it grows too, points at the cause.
+The leak is estimated as the fitted slope (bytes per step), dated at the first step from which
+memory stays above its level at the end of the warm-up (a leak already growing then is dated
+back as far as the fitted line explains the memory), within the span the tensor census brackets. The tensor census, when it grows too, points at the cause.
 
 A kept loss whose graph backward() already freed costs only KBs a step: memory hides it for
 thousands of steps. So when memory shows no leak, a census count of tensors holding an autograd
@@ -146,7 +147,9 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     tail_slope = np.polyfit(x[tail:], v[tail:], 1)[0] if len(v) - tail >= 3 else 0.0
     if r2 < cfg.min_r2 or tail_slope < cfg.min_tail_slope_share * slope or slope <= 0:
         return None
-    begin = _onset(steps.astype(float), y, start, slope, intercept, v - fit, growth)
+    begin = _rise(steps, y, start, growth)
+    if begin is None:  # growing from the end of the warm-up on: it may have begun before
+        begin = _onset(steps.astype(float), y, start, slope, intercept, v - fit, growth)
     evidence = {
         "series": column,
         "bytes_per_step": float(slope),
@@ -162,7 +165,10 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     group = _growing_group(rt)
     if group is not None:
         cause, advice, where = group["cause"], group["advice"], group["modules"]
-        begin = min(begin, group["growing_since_step"])
+        # The census brackets the start: after the last census at the group's smallest count,
+        # by the next census (memory dates it within that span; allocators grow in bursts).
+        lo, hi = group["growing_since_step"], group["grown_by_step"]
+        begin = int(min(max(begin, lo), hi))
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
     if column == "cuda_allocated_bytes":
         cause += _growing_site(rt, int(x[0]), evidence)
@@ -172,6 +178,21 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
                f"{base / 2**20:.0f} -> {end / 2**20:.0f} MiB over steps {int(x[0])}-{int(x[-1])} "
                f"(straight-line fit R^2 {r2:.2f}), since about step {begin}. {cause}")
     return Finding(KIND, "warning", begin, where, summary.strip(), evidence, advice)
+
+
+def _rise(x: np.ndarray, y: np.ndarray, start: int, growth: float) -> int | None:
+    """The first step from which memory stays (10 steps running) above its level at the end of
+    the warm-up: the median of the 20 steps before `start`, plus 3 sigma of them or 5% of the
+    growth (allocators move RSS by a few MiB on their own). None if that is already so at the end of the warm-up (a leak growing from earlier)."""
+    before = y[max(0, start - 20):start]
+    before = before[np.isfinite(before) & (before >= 0)]
+    if len(before) < 3:
+        return None
+    above = y > float(np.median(before)) + max(3.0 * float(np.std(before)), 0.05 * growth)
+    for j in np.flatnonzero(above[start:]) + start:
+        if above[j:j + 10].all():
+            return int(x[j]) if j > start else None
+    return None
 
 
 def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
@@ -233,9 +254,10 @@ def _growing_group(rt) -> dict | None:
     # last census at which the group was at its smallest.
     mine = g[(g["device"] == device) & (g["dtype"] == dtype) & (g["shape"] == shape) & (g["graph"] == graph)]
     counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
-    since = int(counts.index[np.flatnonzero(counts.to_numpy() == counts.min())[-1]])
+    k = int(np.flatnonzero(counts.to_numpy() == counts.min())[-1])
+    since, by = int(counts.index[k]), int(counts.index[min(k + 1, len(counts) - 1)])
     return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph),
-            "growing_since_step": since,
+            "growing_since_step": since, "grown_by_step": by,
             "tensors_per_step": float(row["count"]), "bytes_per_step": float(row["bytes"]),
             "census_steps": [first, last], "modules": modules, "cause": cause, "advice": advice}
 
