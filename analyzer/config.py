@@ -258,6 +258,18 @@ class OutOfMemoryConfig:
 
 
 @dataclass(frozen=True)
+class LossZeroConfig:
+    # A loss of exactly 0.0 on this share of the first `first_steps` steps, or of the steps before
+    # the loss first went non-finite, is a warning (see detectors/loss_zero.py). Half: a bug
+    # zeroes every step (a mask that keeps nothing) or most of them before it breaks.
+    min_share: float = 0.5
+    first_steps: int = 20
+
+    def __post_init__(self):
+        _check(self, min_share=(0.0, 1.0), first_steps=(1, None))
+
+
+@dataclass(frozen=True)
 class LossScaleConfig:
     # torch.amp.GradScaler's defaults: init_scale 2^16, backoff 0.5 per overflow, growth 2x after
     # growth_interval=2000 clean steps. Below a scale of 1 the unscaled gradients overflow fp16
@@ -277,6 +289,7 @@ class AnalysisConfig:
     nonfinite: NonfiniteConfig = field(default_factory=NonfiniteConfig)
     loss_divergence: LossDivergenceConfig = field(default_factory=LossDivergenceConfig)
     loss_plateau: LossPlateauConfig = field(default_factory=LossPlateauConfig)
+    loss_zero: LossZeroConfig = field(default_factory=LossZeroConfig)
     update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
     dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)
     attention_collapse: AttentionCollapseConfig = field(default_factory=AttentionCollapseConfig)

@@ -855,7 +855,7 @@ class Recorder:
         if self._replayed is not None:
             # A reproduced replay's row; else only the maker of a -Inf it saw (used just below).
             keys = ("output_absmax", "origin", "consumer", "neg_origin", "batch_nonfinite") \
-                if self._replayed.get("reproduced") else ("neg_origin",)
+                if self._replayed.get("reproduced") else ("neg_origin", "output_grad_nonfinite")
             mods = {**mods, **{k: self._replayed[k] for k in keys if k in self._replayed}}
         if (mods.get("neg_origin", -1) != -1 and mods["origin"] < 0 and not mods["batch_nonfinite"]
                 and loss is not None and not math.isfinite(loss_value)):

@@ -11,7 +11,9 @@ watched step would have.
 The user's model is never touched: the copy is a ``copy.deepcopy`` without any of the model's hooks
 (the user's or ours), it runs under ``no_grad`` inside ``torch.random.fork_rng`` (the
 training's RNG streams are left where they were), and it is dropped afterwards. It costs one
-copy of the model and one forward pass, once per run (the black box fires once). A model that
+copy of the model and one forward pass, once per run (the black box fires once); when that
+forward is finite, one more forward and backward on the copy tells whether the NaN/Inf gradient
+was born in the model's backward or came from the loss's. A model that
 cannot be deep-copied (a module holding non-leaf tensors), or a copy that does not reproduce the
 NaN/Inf, leaves the origin to the next watched step. A distributed model (DDP, FSDP2) is not
 replayed: its forward would wait for the other ranks; its inputs are checked instead.
@@ -77,7 +79,6 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
         return {"replay": f"the replay raised {type(e).__name__}: {e}"[:500]}
     finally:
         watcher.remove()
-        del twin
     if errors:
         return {"replay": f"checking the copy failed ({type(errors[0]).__name__}: {errors[0]})"[:500]}
     found = row["origin"] >= 0 or bool(row["batch_nonfinite"])
@@ -85,6 +86,10 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
     row["replay"] = ("reproduced: " + (f"module {watcher.names[row['origin']]!r}" if row["origin"] >= 0
                                       else "the input batch") if found else
                      "not reproduced: every module output of the replayed forward was finite")
+    if not found:
+        row.update(_backward_from_outputs(twin, inputs, rng, first, cuda))
+        if "replay_backward" in row:
+            row["replay"] += "; " + row["replay_backward"]
     return row
 
 
@@ -94,3 +99,36 @@ def _distributed(model: nn.Module) -> bool:
     return any(isinstance(m, DistributedDataParallel) for m in model.modules()) or \
         any(map(is_sharded, model.parameters()))
 
+
+
+def _backward_from_outputs(twin: nn.Module, inputs: list, rng: dict | None, first, cuda: bool) -> dict:
+    """The step's forward was finite: was its NaN/Inf gradient born in the model's backward or
+    did it come from the loss's? Run the forward again with autograd on the copy and send a
+    finite gradient (ones) back from its outputs: if every parameter's gradient stays finite, the
+    model's backward cannot have made the NaN/Inf, so the gradient the loss sent to the outputs
+    was non-finite already (``output_grad_nonfinite`` 1, as a watched step measures it); if some
+    go non-finite, the model's own backward makes it (0)."""
+    try:
+        for p in twin.parameters():
+            p.grad = None
+        with torch.random.fork_rng(devices=[first.device] if cuda else []):
+            if rng is not None:
+                torch.set_rng_state(rng["torch"])
+                if cuda and "cuda" in rng:
+                    torch.cuda.set_rng_state(rng["cuda"], first.device)
+            with torch.enable_grad():
+                outs = [t for args, kwargs in inputs
+                        for t in floating_tensors(twin(*args, **kwargs), limit=64) if t.requires_grad]
+                if not outs:
+                    return {}
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        grads = [p.grad for p in twin.parameters() if p.grad is not None]
+        if not grads:
+            return {}
+        made = any(not bool(torch.isfinite(g).all()) for g in grads)
+    except Exception as e:
+        return {"replay_backward": f"the backward replay raised {type(e).__name__}: {e}"[:300]}
+    return {"output_grad_nonfinite": 0 if made else 1,
+            "replay_backward": ("the model's backward made NaN/Inf from a finite gradient at its outputs" if made
+                                else "the model's backward stayed finite from a finite gradient at its outputs: "
+                                     "the loss's backward sent NaN/Inf")}

@@ -147,8 +147,9 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     tail_slope = np.polyfit(x[tail:], v[tail:], 1)[0] if len(v) - tail >= 3 else 0.0
     if r2 < cfg.min_r2 or tail_slope < cfg.min_tail_slope_share * slope or slope <= 0:
         return None
-    begin = _rise(steps, y, start, growth)
-    if begin is None:  # growing from the end of the warm-up on: it may have begun before
+    begin = _rise(steps, y, start, growth, slope)
+    rose = begin is not None  # memory shows a flat stretch, then the rise
+    if not rose:  # growing from the end of the warm-up on: it may have begun before
         begin = _onset(steps.astype(float), y, start, slope, intercept, v - fit, growth)
     evidence = {
         "series": column,
@@ -166,9 +167,10 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     if group is not None:
         cause, advice, where = group["cause"], group["advice"], group["modules"]
         # The census brackets the start: after the last census at the group's smallest count,
-        # by the next census (memory dates it within that span; allocators grow in bursts).
+        # by the next census. A rise memory shows is dated within that span; a leak growing since
+        # before the warm-up's end (memory's own start is blurred by the warm-up) from that census.
         lo, hi = group["growing_since_step"], group["grown_by_step"]
-        begin = int(min(max(begin, lo), hi))
+        begin = int(min(max(begin, lo), hi)) if rose else min(begin, lo)
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
     if column == "cuda_allocated_bytes":
         cause += _growing_site(rt, int(x[0]), evidence)
@@ -180,13 +182,15 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     return Finding(KIND, "warning", begin, where, summary.strip(), evidence, advice)
 
 
-def _rise(x: np.ndarray, y: np.ndarray, start: int, growth: float) -> int | None:
+def _rise(x: np.ndarray, y: np.ndarray, start: int, growth: float, slope: float) -> int | None:
     """The first step from which memory stays (10 steps running) above its level at the end of
     the warm-up: the median of the 20 steps before `start`, plus 3 sigma of them or 5% of the
-    growth (allocators move RSS by a few MiB on their own). None if that is already so at the end of the warm-up (a leak growing from earlier)."""
+    growth (allocators move RSS by a few MiB on their own). None if memory was not flat over
+    those 20 steps (it moved by half of what the leak adds in 20 steps: a leak growing from
+    earlier, in an allocator's bursts) or was already above at the end of the warm-up."""
     before = y[max(0, start - 20):start]
     before = before[np.isfinite(before) & (before >= 0)]
-    if len(before) < 3:
+    if len(before) < 3 or np.ptp(before) >= 0.5 * 20 * slope:
         return None
     above = y > float(np.median(before)) + max(3.0 * float(np.std(before)), 0.05 * growth)
     for j in np.flatnonzero(above[start:]) + start:

@@ -41,7 +41,9 @@ _ADVICE = {
             "count, or targets out of range.",
     "backward": "The gradient is non-finite while the forward pass was finite: an operation whose "
                 "derivative is unbounded at its input (sqrt or pow at 0, norm of a zero vector, acos "
-                "at +-1), or a gradient overflow under fp16 (use a GradScaler). Clip or add eps.",
+                "at +-1), or a gradient overflow under fp16 (use a GradScaler). Clip or add eps. When "
+                "every parameter's gradient went non-finite, look above the last layer first: the loss "
+                "(log of 0: use log_softmax / BCEWithLogitsLoss; sqrt of a zero distance: add eps).",
     "loss_backward": "Find the operation in the loss whose derivative is unbounded at its input: sqrt or "
                      "norm of an exact 0 (a distance between identical embeddings: add eps inside the sqrt, "
                      "sqrt(x + 1e-12)), log of 0 (use log_softmax / BCEWithLogitsLoss), division by a value "
@@ -92,6 +94,9 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     bad_params = np.flatnonzero(grad_bad)
     evidence["params_with_nonfinite_grad"] = {rt.param_names[j]: int(g_bad[j]) for j in bad_params[:20]}
 
+    # 1: the gradient at the model's outputs was NaN/Inf (measured on a watched step, or told by
+    # the replay's backward); 0: it was finite, the model's backward made it; -1: not known.
+    out_grad = int(steps["output_grad_nonfinite"].iloc[i])
     if batch_bad[i]:
         stage, where = "batch", []
         what = f"the input batch of step {step} already held NaN/Inf"
@@ -119,7 +124,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     elif loss_bad[i]:
         stage, where = "loss", []
         what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
-    elif bad_params.size and int(steps["output_grad_nonfinite"].iloc[i]) == 1:
+    elif bad_params.size and out_grad == 1:
         # The gradient arriving at the model's outputs was NaN/Inf already: born in the backward
         # of the loss, outside the model (sqrt/norm of 0, log(0) in a hand-written loss).
         stage, where = "loss_backward", []
@@ -129,8 +134,15 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     elif bad_params.size:
         first = int(bad_params.max())  # backward reaches the last-defined parameters first
         stage, where = "backward", [rt.param_names[first]]
-        what = (f"the forward pass of step {step} was finite but the gradient of {rt.param_names[first]} "
-                f"went non-finite ({len(bad_params)} parameter(s) with NaN/Inf gradients)")
+        forward = f"the forward pass of step {step} was finite" if checked else f"the loss of step {step} was finite"
+        what = (f"{forward} but the gradient of {rt.param_names[first]} went non-finite "
+                f"({len(bad_params)} parameter(s) with NaN/Inf gradients)")
+        if out_grad == -1 and _entered_at_outputs(rt, i, grad_bad):
+            # Every gradient, the ones backward reaches first included: the NaN/Inf came in at or
+            # above the last layer. This step did not tell whether the gradient at the outputs
+            # was already non-finite (a watched step, or the replay's backward, would).
+            what += (f", every one of them: it came into the backward pass at {rt.param_names[first]} or "
+                     f"above it, from the loss function's backward or an operation after the last layer")
     else:
         bad_w = np.flatnonzero(w_bad)
         stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]
@@ -141,3 +153,11 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
                f"{n_bad_steps} of the {len(idx) - i} steps recorded from then on are non-finite.")
     return [Finding(KIND, "error", step, where, summary, evidence, _ADVICE[stage])]
 
+
+
+def _entered_at_outputs(rt: RankTrace, i: int, grad_bad: np.ndarray) -> bool:
+    """Every parameter that had a gradient at row i got a NaN/Inf one (a NaN born inside the
+    model's backward leaves the parameters after it, which backward reached first, finite)."""
+    norms = rt.param_stat("grad_norm", rows=[i]).to_numpy()[0]
+    had = grad_bad | np.isfinite(norms)
+    return bool(had.sum() >= 1 and grad_bad[had].all())

@@ -5,7 +5,6 @@ would."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
