@@ -20,6 +20,8 @@ EXPECTED = {
     "mlp_deep_sigmoid_vanishing": "hit",
     "mlp_dead_relu_negative_bias_init": "hit",
     "transformer_attention_collapse_qk_init": "hit",  # one-hot from initialisation
+    "rnn_exploding_spectral_radius_init": "hit",  # exploding from the first step, across depth
+    "fresh_mlp_siren_default_hidden_init_explodes": "hit",  # (a fresh one: never tuned on)
     "mlp_healthy_dropout_wd_clip": "quiet",
     "rnn_healthy_lstm_clip_adam": "quiet",
 }
@@ -35,4 +37,4 @@ def test_a_fast_subset_of_the_corpus_scores_as_it_should():
     assert {n: rows[n]["verdict"] for n in EXPECTED} == EXPECTED, r.stdout[-3000:]
     for name in EXPECTED:  # every oracle was proven and written by the scenario itself
         oracle = json.loads((out / name / "oracle.json").read_text())
-        assert oracle["source"] and oracle["split"] in ("tune", "holdout")
+        assert oracle["source"] and oracle["split"] in ("tune", "holdout", "fresh")
