@@ -92,7 +92,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         "head_offset": np.arange(len(att_modules)) * HEADS, "first_step": np.zeros(len(att_modules))})
     w.write_columns("module_outputs", {"module": np.arange(n_modules),
                                        "shape": np.array(["[64, 256]"] * n_modules, dtype=object),
-                                       "dtype": np.array(["float32"] * n_modules, dtype=object)})
+                                       "dtype": np.array(["float32"] * n_modules, dtype=object),
+                                       "grad_fn": np.array(["AddmmBackward0"] * n_modules, dtype=object)})
     trace_blob = gzip.compress(json.dumps({"traceEvents": [
         {"name": f"aten::op{i}", "ph": "X", "ts": i * 10, "dur": 5, "pid": 0, "tid": 0}
         for i in range(PROFILE_OPS)]}).encode())
@@ -204,7 +205,8 @@ def _periodic(w, rng, steps, n_modules, n_relu, n_att, census, now) -> None:
             "step": np.repeat(at, CENSUS_GROUPS), "device": np.array(["cpu"] * m, dtype=object),
             "dtype": np.array(["float32"] * m, dtype=object),
             "shape": np.array([f"[{256 * (i + 1)}, 256]" for i in range(CENSUS_GROUPS)] * len(at), dtype=object),
-            "graph": np.zeros(m), "count": np.full(m, 4), "bytes": np.tile(np.arange(1, CENSUS_GROUPS + 1) << 20, len(at))})
+            "graph": np.zeros(m), "count": np.full(m, 4), "bytes": np.tile(np.arange(1, CENSUS_GROUPS + 1) << 20, len(at)),
+            "grad_fn": np.array([""] * m, dtype=object)})
 
 
 if __name__ == "__main__":

@@ -233,9 +233,12 @@ class ModuleWatcher:
                             x.register_hook(self._on_output_grad)  # (observes; returns None)
                 if not self._shape_seen[index]:
                     self._shape_seen[index] = True
-                    self._new_shapes.append({
-                        "module": index, "shape": "[" + ", ".join(map(str, outs[0].shape)) + "]",
-                        "dtype": str(outs[0].dtype).replace("torch.", "")})
+                    # Its first 4 outputs' shapes, dtypes and the op that made each (e.g.
+                    # ReluBackward0): tensors the census finds kept are matched to their maker.
+                    self._new_shapes.extend({
+                        "module": index, "shape": "[" + ", ".join(map(str, x.shape)) + "]",
+                        "dtype": str(x.dtype).replace("torch.", ""),
+                        "grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else ""} for x in outs[:4])
                 if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
                     self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
                 if self.sample_activations:

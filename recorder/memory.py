@@ -179,7 +179,7 @@ def tensor_census() -> tuple[int, int, int, list[dict]]:
 
     Walks every object the garbage collector tracks: costs ~10-100 ms, so it runs sparsely.
     Storages shared by several tensors (views) are counted once. Groups are (device, dtype,
-    shape, holds a graph) with their count and bytes: the largest and the most numerous.
+    shape, holds a graph, the graph's last op) with their count and bytes: the largest and the most numerous.
     """
     n = with_graph = nbytes = 0
     storages: set[tuple[str, int]] = set()
@@ -205,7 +205,7 @@ def tensor_census() -> tuple[int, int, int, list[dict]]:
                 size = st.nbytes()
                 nbytes += size
             g = groups.setdefault((str(obj.device), str(obj.dtype).replace("torch.", ""),
-                                   tuple(obj.shape), graph), [0, 0])
+                                   tuple(obj.shape), graph, type(obj.grad_fn).__name__ if graph else ""), [0, 0])
             g[0] += 1
             g[1] += size
         except Exception:  # sparse, meta or otherwise storage-less tensors
@@ -214,5 +214,5 @@ def tensor_census() -> tuple[int, int, int, list[dict]]:
     by_count = sorted(groups.items(), key=lambda kv: -kv[1][0])[:CENSUS_GROUPS_BY_COUNT]
     kept = dict(by_bytes + by_count)
     rows = [{"device": k[0], "dtype": k[1], "shape": "[" + ", ".join(map(str, k[2])) + "]",
-             "graph": int(k[3]), "count": v[0], "bytes": v[1]} for k, v in kept.items()]
+             "graph": int(k[3]), "count": v[0], "bytes": v[1], "grad_fn": k[4]} for k, v in kept.items()]
     return n, nbytes, with_graph, rows

@@ -156,10 +156,12 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("graph", "i1"),
             Column("count", "i8"),
             Column("bytes", "i8"),
+            Column("grad_fn", "str"),  # the graph's last op (e.g. ReluBackward0); "" without a graph
         ],
         # The shape of each module's first floating-point output, when first seen: lets the
         # analyzer tell which module made the tensors of a growing census group.
-        "module_outputs": [Column("module", "i4"), Column("shape", "str"), Column("dtype", "str")],
+        "module_outputs": [Column("module", "i4"), Column("shape", "str"), Column("dtype", "str"),
+                           Column("grad_fn", "str")],
         # torch.profiler windows (profiler.py); the gzipped Chrome trace of each is in blobs/.
         "profile_windows": [
             Column("window", "i4"),
@@ -274,6 +276,7 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("graph", "i1"),
             Column("count", "i8"),
             Column("bytes", "i8"),
+            Column("grad_fn", "str"),
         ],
         "attention_sites": [
             Column("module", "i4"),

@@ -213,14 +213,15 @@ def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
 
 
 def _growing_group(rt) -> dict | None:
-    """The census group (device, dtype, shape, graph) that grew most between the first and the
-    last census, if it gained at least one tensor every two steps; with the modules whose output
-    has that shape and dtype (the likely makers of the kept tensors)."""
+    """The census group (device, dtype, shape, graph, the graph's last op) that grew most between
+    the first and the last census, if it gained at least one tensor every two steps; with the
+    modules whose output has that shape and dtype, and was made by that op when both are known
+    (the likely makers of the kept tensors)."""
     g = rt.census_groups
     if g.empty or g["step"].nunique() < 2:
         return None
     first, last = int(g["step"].min()), int(g["step"].max())
-    key = ["device", "dtype", "shape", "graph"]
+    key = ["device", "dtype", "shape", "graph", "grad_fn"]
     a = g[g["step"] == first].set_index(key)[["count", "bytes"]]
     b = g[g["step"] == last].set_index(key)[["count", "bytes"]]
     grow = b.sub(a, fill_value=0).fillna(0)
@@ -234,15 +235,27 @@ def _growing_group(rt) -> dict | None:
     if per_step.empty:
         return None
     top = per_step.sort_values(["bytes", "count"], ascending=False)
-    (device, dtype, shape, graph), row = top.index[0], top.iloc[0]
+    # Kept losses (scalars holding their graph) keep everything their graphs saved, which grows
+    # as well and weighs more: they are the cause, the rest what they hold.
+    losses = [k for k in top.index if k[2] == "[]" and k[3]]
+    if losses:
+        top = top.loc[losses]
+    (device, dtype, shape, graph, grad_fn), row = top.index[0], top.iloc[0]
     holding = " holding an autograd graph" if graph else ""
     what = "scalar" if shape == "[]" else f"{shape}"
     makers = rt.module_outputs
     makers = makers[(makers["shape"] == shape) & (makers["dtype"] == dtype)]
-    modules = list(makers["module"])[:3] if 0 < len(makers) <= 3 else []
-    cause = (f"The tensor census grows by {row['count']:.1f} {what} {dtype} tensor(s) on {device}{holding} per "
-             f"step ({int(a['count'].get((device, dtype, shape, graph), 0))} at step {first}, "
-             f"{int(b['count'].loc[(device, dtype, shape, graph)])} at step {last})")
+    if grad_fn and (makers["grad_fn"] == grad_fn).any():
+        makers = makers[makers["grad_fn"] == grad_fn]
+    # A module that returns its submodule's output as its own is not another maker: keep the
+    # innermost (a parent is a prefix of its submodules' names).
+    names = list(dict.fromkeys(makers["module"]))
+    names = [m for m in names if not any(o != m and o.startswith(m + "." if m else "") for o in names)]
+    modules = names if 0 < len(names) <= 3 else []
+    made = f" made by {grad_fn}" if grad_fn else ""
+    cause = (f"The tensor census grows by {row['count']:.1f} {what} {dtype} tensor(s){made} on {device}{holding} per "
+             f"step ({int(a['count'].get((device, dtype, shape, graph, grad_fn), 0))} at step {first}, "
+             f"{int(b['count'].loc[(device, dtype, shape, graph, grad_fn)])} at step {last})")
     if graph and shape == "[]":
         cause += ": a loss tensor kept across iterations."
         advice = _ADVICE_GRAPH
@@ -256,11 +269,12 @@ def _growing_group(rt) -> dict | None:
         cause += f" That is the shape of the output of {', '.join(modules)}: something keeps it (a hook, a cache)."
     # The census dates the start better than memory does (allocators grow in bursts): the
     # last census at which the group was at its smallest.
-    mine = g[(g["device"] == device) & (g["dtype"] == dtype) & (g["shape"] == shape) & (g["graph"] == graph)]
+    mine = g[(g["device"] == device) & (g["dtype"] == dtype) & (g["shape"] == shape) & (g["graph"] == graph)
+             & (g["grad_fn"] == grad_fn)]
     counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
     k = int(np.flatnonzero(counts.to_numpy() == counts.min())[-1])
     since, by = int(counts.index[k]), int(counts.index[min(k + 1, len(counts) - 1)])
-    return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph),
+    return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph), "grad_fn": grad_fn,
             "growing_since_step": since, "grown_by_step": by,
             "tensors_per_step": float(row["count"]), "bytes_per_step": float(row["bytes"]),
             "census_steps": [first, last], "modules": modules, "cause": cause, "advice": advice}

@@ -96,4 +96,6 @@ class MemoryTables:
     def oom_tensor_groups(self) -> pd.DataFrame:
         """The tensor census taken when memory ran out: event, device, dtype, shape, graph, count, bytes."""
         cols = ("event", "device", "dtype", "shape", "graph", "count", "bytes")
-        return self._texts_table("oom_tensor_groups", cols, ("device", "dtype", "shape"))
+        df = self._texts_table("oom_tensor_groups", cols, ("device", "dtype", "shape"))
+        # (newer traces split a group by the graph's last op: summed here, as before)
+        return df.groupby(list(cols[:5]), as_index=False, sort=False)[["count", "bytes"]].sum()[list(cols)]

@@ -345,18 +345,26 @@ class RankTrace(MemoryTables, StoredTensors):
     @cached_property
     def census_groups(self) -> pd.DataFrame:
         """Live tensor census by group, one row per (census step, group): step, device, dtype,
-        shape (str), graph (holds an autograd graph), count, bytes."""
+        shape (str), graph (holds an autograd graph), grad_fn (the graph's last op, e.g.
+        ReluBackward0; "" without a graph or in older traces), count, bytes."""
+        texts = ("device", "dtype", "shape") + (("grad_fn",) if self._has("census_groups/grad_fn") else ())
         cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes")
-        df = self._texts_table("census_groups", cols, ("device", "dtype", "shape"))
+        df = self._texts_table("census_groups", cols + texts[3:], texts)
+        if "grad_fn" not in df:
+            df["grad_fn"] = ""
+        key = ["step", "device", "dtype", "shape", "graph", "grad_fn"]
         # One row per group and step, as the recorder writes them; a damaged trace's repeats are summed.
-        return df.groupby(["step", "device", "dtype", "shape", "graph"], as_index=False, sort=False)[
-            ["count", "bytes"]].sum()[list(cols)]
+        return df.groupby(key, as_index=False, sort=False)[["count", "bytes"]].sum()[key + ["count", "bytes"]]
 
     @cached_property
     def module_outputs(self) -> pd.DataFrame:
         """The shape and dtype of each module's first floating-point output: module (name),
-        module_index, shape (str), dtype."""
-        return self._sites("module_outputs", ("module", "shape", "dtype"), "shape", "dtype")
+        module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
+        extra = ("grad_fn",) if self._has("module_outputs/grad_fn") else ()
+        df = self._sites("module_outputs", ("module", "shape", "dtype") + extra, "shape", "dtype", *extra)
+        if "grad_fn" not in df:
+            df["grad_fn"] = ""
+        return df
 
     @cached_property
     def profile_windows(self) -> pd.DataFrame:

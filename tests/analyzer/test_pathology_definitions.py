@@ -167,3 +167,27 @@ def test_a_nan_born_in_a_hand_written_loss_on_an_unwatched_step_is_the_loss_s(tm
     f = bad[0]
     assert f.evidence["stage"] == "loss_backward" and f.where == [], f.summary
     assert "loss function's backward" in f.summary and "log of 0" in f.advice
+
+
+def test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them(tmp_path):
+    """A forward hook keeps relu1's outputs with their graph. fc1 outputs the same shape and
+    dtype; the census's groups carry the op that made the kept tensors (ReluBackward0), and the
+    recorder's module outputs theirs, so the finding names relu1 alone."""
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(32, 32), relu1=nn.ReLU(), fc2=nn.Linear(32, 64),
+                                      relu2=nn.ReLU(), out=nn.Linear(64, 1)))
+    kept = []
+    model.relu1.register_forward_hook(lambda m, a, out: kept.append(out))  # the bug: no detach, never cleared
+    g = torch.Generator().manual_seed(3)
+
+    def batch(step):
+        x = torch.randn(4096, 32, generator=g)
+        return x, x[:, :1]
+
+    findings, _ = _record(tmp_path / "leak", model, batch, _mse, 300, lr=1e-3, opt="adam")
+    kept.clear()  # (the census of later tests in this process must not see them)
+    [f] = _by_kind(findings, "memory_leak")
+    assert f.where == ["relu1"], f.summary
+    assert "made by ReluBackward0" in f.summary and f.evidence["growing_group"]["grad_fn"] == "ReluBackward0"
