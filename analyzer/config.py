@@ -270,6 +270,19 @@ class LossZeroConfig:
 
 
 @dataclass(frozen=True)
+class RunawayOutputsConfig:
+    # Before the first NaN/Inf: the output layer's max |output| over the `window` steps before
+    # it at least `ratio` x (an order of magnitude) the median of the `baseline_samples` watched
+    # steps before that (see detectors/runaway_outputs.py).
+    ratio: float = 10.0
+    window: int = 20
+    baseline_samples: int = 5
+
+    def __post_init__(self):
+        _check(self, ratio=(1.0, None), window=(1, None), baseline_samples=(1, None))
+
+
+@dataclass(frozen=True)
 class LossScaleConfig:
     # torch.amp.GradScaler's defaults: init_scale 2^16, backoff 0.5 per overflow, growth 2x after
     # growth_interval=2000 clean steps. Below a scale of 1 the unscaled gradients overflow fp16
@@ -290,6 +303,7 @@ class AnalysisConfig:
     loss_divergence: LossDivergenceConfig = field(default_factory=LossDivergenceConfig)
     loss_plateau: LossPlateauConfig = field(default_factory=LossPlateauConfig)
     loss_zero: LossZeroConfig = field(default_factory=LossZeroConfig)
+    runaway_outputs: RunawayOutputsConfig = field(default_factory=RunawayOutputsConfig)
     update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
     dead_relu: DeadReluConfig = field(default_factory=DeadReluConfig)
     attention_collapse: AttentionCollapseConfig = field(default_factory=AttentionCollapseConfig)

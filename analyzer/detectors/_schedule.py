@@ -32,7 +32,7 @@ def lr_context(rt: RankTrace, row: int) -> tuple[dict, str]:
     before = before[np.isfinite(before)]
     if before.size and np.median(before) > 0 and lr[row] >= SPIKE_RATIO * np.median(before):
         evidence["lr_spike_ratio"] = float(lr[row] / np.median(before))
-        return evidence, (f"the learning rate had jumped to {lr[row]:.3g} ({evidence['lr_spike_ratio']:.3g}x "
+        return evidence, (f"after the learning rate jumped to {lr[row]:.3g} ({evidence['lr_spike_ratio']:.3g}x "
                           f"its median over the {before.size} steps before)")
     first = lr[ok[0]]
     every = np.flatnonzero(np.isfinite(whole))

@@ -206,5 +206,5 @@ def _finding(rt, cfg, severity, cross, loss, tm, ref: _Reference, i_bad) -> Find
     lr_evidence, lr_clause = lr_context(rt, onset)
     ev.update(lr_evidence)
     if lr_clause:
-        tail = tail[:-1] + f" The rise began {lr_clause}."
+        tail = tail + f" The rise began {lr_clause}."
     return Finding(KIND, severity, step, [], head + tail, ev, ADVICE)

@@ -191,3 +191,50 @@ def test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them
     [f] = _by_kind(findings, "memory_leak")
     assert f.where == ["relu1"], f.summary
     assert "made by ReluBackward0" in f.summary and f.evidence["growing_group"]["grad_fn"] == "ReluBackward0"
+
+
+def _classifier_with_lr_jump(run_dir, jump: float):
+    """A 3-layer MLP classifier with a hand-written -log(softmax) loss, SGD 0.05; at step 100
+    the learning rate is multiplied by `jump` (a scheduler bug)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 4, generator=g)
+    losses = []
+    with Recorder(model, run_dir) as rec:
+        for step in range(130):
+            if step == 100:
+                for group in opt.param_groups:
+                    group["lr"] *= jump
+            x = torch.randn(64, 8, generator=g)
+            y = (x @ w).argmax(1)
+            loss = -torch.log(torch.softmax(model(x), -1)).gather(1, y[:, None]).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+            losses.append(float(loss.detach()))
+    return analyze(load(run_dir)), losses
+
+
+def test_logits_that_run_away_before_the_loss_goes_inf_are_reported_with_where_it_was_born(tmp_path):
+    """lr x300: the last layer's outputs grow 30x in the step after the jump (the recorder
+    watches it: a jump), then the hand-written log(softmax) gives log(0) = -inf. The replay of
+    that unwatched step finds the model's outputs finite: the loss function made it."""
+    findings, losses = _classifier_with_lr_jump(tmp_path / "jump", 300.0)
+    bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    [run] = [f for f in findings if f.kind == "runaway_outputs"]
+    assert run.severity == "warning" and run.where == ["4"] and run.step == 100 + 1 and bad == 102, run.summary
+    assert run.evidence["growth"] >= 10 and run.evidence["first_nonfinite_step"] == bad
+    [nan] = [f for f in findings if f.kind == "nonfinite"]
+    assert nan.step == bad and nan.evidence["stage"] == "loss" and nan.where == [], nan.summary
+    assert "the loss function made it" in nan.summary and "log_softmax" in nan.advice
+
+
+def test_logits_growing_in_a_run_that_never_fails_are_not_runaway(tmp_path):
+    """lr x10: the logits grow ~10x over the next 40 steps as the classifier grows confident,
+    and nothing fails: no finding."""
+    findings, losses = _classifier_with_lr_jump(tmp_path / "ok", 10.0)
+    assert all(map(math.isfinite, losses))
+    assert [f for f in findings if f.kind == "runaway_outputs"] == []
