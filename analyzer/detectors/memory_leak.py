@@ -112,9 +112,11 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
     }
     group = _growing_group(rt)
     where: list[str] = []
+    begin = int(xs[0])
     if group is not None and group["graph"]:
         cause, where = group["cause"], group["modules"]
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
+        begin = group["growing_since_step"]  # the last census before the kept group grew
     else:
         cause = "A tensor with its graph is kept across iterations."
     grows = (f"resident memory grows only {rss_slope / 1024:.1f} KiB per step so far"
@@ -122,7 +124,7 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
     summary = (f"Memory leak: tensors holding an autograd graph pile up by {slope:.1f} per step "
                f"({int(ys[0])} at step {int(xs[0])}, {int(ys[-1])} at step {int(xs[-1])}, census R^2 {r2:.2f}); "
                f"{grows}, but each kept graph stays until the job ends. {cause}")
-    return Finding(KIND, "warning", int(xs[0]), where, summary, evidence, _ADVICE_GRAPH)
+    return Finding(KIND, "warning", begin, where, summary, evidence, _ADVICE_GRAPH)
 
 
 def _leak(rt, steps, y, column, label, cfg) -> Finding | None:

@@ -169,26 +169,46 @@ def test_a_nan_born_in_a_hand_written_loss_on_an_unwatched_step_is_the_loss_s(tm
     assert "loss function's backward" in f.summary and "log of 0" in f.advice
 
 
+_LEAK_JOB = """
+import sys
+from collections import OrderedDict
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchautopsy import Recorder
+
+torch.manual_seed(0)
+model = nn.Sequential(OrderedDict(fc1=nn.Linear(32, 32), relu1=nn.ReLU(), fc2=nn.Linear(32, 64),
+                                  relu2=nn.ReLU(), out=nn.Linear(64, 1)))
+kept = []
+model.relu1.register_forward_hook(lambda m, a, out: kept.append(out))  # the bug: no detach, never cleared
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(3)
+with Recorder(model, sys.argv[1]) as rec:
+    for step in range(300):
+        x = torch.randn(4096, 32, generator=g)
+        loss = F.mse_loss(model(x), x[:, :1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rec.step(loss=loss)
+"""
+
+
 def test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them(tmp_path):
     """A forward hook keeps relu1's outputs with their graph. fc1 outputs the same shape and
     dtype; the census's groups carry the op that made the kept tensors (ReluBackward0), and the
-    recorder's module outputs theirs, so the finding names relu1 alone."""
-    from collections import OrderedDict
+    recorder's module outputs theirs, so the finding names relu1 alone. (A job of its own: in
+    the test process, memory freed by earlier tests hides the growth and a census costs more.)"""
+    import subprocess
+    import sys
 
-    torch.manual_seed(0)
-    model = nn.Sequential(OrderedDict(fc1=nn.Linear(32, 32), relu1=nn.ReLU(), fc2=nn.Linear(32, 64),
-                                      relu2=nn.ReLU(), out=nn.Linear(64, 1)))
-    kept = []
-    model.relu1.register_forward_hook(lambda m, a, out: kept.append(out))  # the bug: no detach, never cleared
-    g = torch.Generator().manual_seed(3)
-
-    def batch(step):
-        x = torch.randn(4096, 32, generator=g)
-        return x, x[:, :1]
-
-    findings, _ = _record(tmp_path / "leak", model, batch, _mse, 300, lr=1e-3, opt="adam")
-    kept.clear()  # (the census of later tests in this process must not see them)
-    [f] = _by_kind(findings, "memory_leak")
+    r = subprocess.run([sys.executable, "-c", _LEAK_JOB, str(tmp_path / "leak")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    leaks = _by_kind(analyze(load(tmp_path / "leak")), "memory_leak")
+    assert len(leaks) == 1, leaks
+    f = leaks[0]
     assert f.where == ["relu1"], f.summary
     assert "made by ReluBackward0" in f.summary and f.evidence["growing_group"]["grad_fn"] == "ReluBackward0"
 
