@@ -116,12 +116,6 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
                     f"turned it into NaN/Inf")
             evidence["chain"] = {"producer": rt.module_names[origin[i]], "consumer": rt.module_names[consumer],
                                  "step": step}
-    elif loss_bad[i] and not checked and out_grad == 1:
-        # Not watched, but replayed: the forward was finite again, and the model's backward from
-        # a finite gradient too (output_grad_nonfinite 1 on an unwatched step says both).
-        stage, where = "loss", []
-        what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, while the replay of that step found every "
-                f"module output finite: the loss function made it")
     elif loss_bad[i] and not checked:
         stage, where = "unchecked", []
         what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, a step whose module outputs were not "

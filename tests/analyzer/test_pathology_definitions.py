@@ -240,16 +240,17 @@ def _classifier_with_lr_jump(run_dir, jump: float):
 
 def test_logits_that_run_away_before_the_loss_goes_inf_are_reported_with_where_it_was_born(tmp_path):
     """lr x300: the last layer's outputs grow 30x in the step after the jump (the recorder
-    watches it: a jump), then the hand-written log(softmax) gives log(0) = -inf. The replay of
-    that unwatched step finds the model's outputs finite: the loss function made it."""
+    watches it: a jump), then the hand-written log(softmax) gives log(0) = -inf on a step that
+    was not watched. Its replay finds every module output finite, which does not prove the loss
+    made it (a replay can differ from the step: test_recorder_nonfinite's PythonCountedNaN), so
+    the NaN is not blamed on a module."""
     findings, losses = _classifier_with_lr_jump(tmp_path / "jump", 300.0)
     bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
     [run] = [f for f in findings if f.kind == "runaway_outputs"]
     assert run.severity == "warning" and run.where == ["4"] and run.step == 100 + 1 and bad == 102, run.summary
     assert run.evidence["growth"] >= 10 and run.evidence["first_nonfinite_step"] == bad
     [nan] = [f for f in findings if f.kind == "nonfinite"]
-    assert nan.step == bad and nan.evidence["stage"] == "loss" and nan.where == [], nan.summary
-    assert "the loss function made it" in nan.summary and "log_softmax" in nan.advice
+    assert nan.step == bad and nan.evidence["stage"] == "unchecked" and nan.where == [], nan.summary
 
 
 def test_logits_growing_in_a_run_that_never_fails_are_not_runaway(tmp_path):
