@@ -21,6 +21,7 @@ replayed: its forward would wait for the other ranks; its inputs are checked ins
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -64,11 +65,7 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
     first = next(iter(twin.parameters()), None)
     cuda = first is not None and first.device.type == "cuda"
     try:
-        with torch.random.fork_rng(devices=[first.device] if cuda else []):
-            if rng is not None:
-                torch.set_rng_state(rng["torch"])
-                if cuda and "cuda" in rng:
-                    torch.cuda.set_rng_state(rng["cuda"], first.device)
+        with _step_rng(rng, first, cuda):
             with torch.no_grad():
                 for args, kwargs in inputs:
                     twin(*args, **kwargs)
@@ -93,6 +90,18 @@ def replay_step(model: nn.Module, inputs: list, rng: dict | None, buffers: list,
     return row
 
 
+@contextlib.contextmanager
+def _step_rng(rng: dict | None, first, cuda: bool):
+    """torch's RNG streams as they were at the step's first forward, the training's own left
+    where they were (fork_rng restores them on exit)."""
+    with torch.random.fork_rng(devices=[first.device] if cuda else []):
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if cuda and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], first.device)
+        yield
+
+
 def _distributed(model: nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -111,17 +120,12 @@ def _backward_from_outputs(twin: nn.Module, inputs: list, rng: dict | None, firs
     try:
         for p in twin.parameters():
             p.grad = None
-        with torch.random.fork_rng(devices=[first.device] if cuda else []):
-            if rng is not None:
-                torch.set_rng_state(rng["torch"])
-                if cuda and "cuda" in rng:
-                    torch.cuda.set_rng_state(rng["cuda"], first.device)
-            with torch.enable_grad():
-                outs = [t for args, kwargs in inputs
-                        for t in floating_tensors(twin(*args, **kwargs), limit=64) if t.requires_grad]
-                if not outs:
-                    return {}
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        with _step_rng(rng, first, cuda), torch.enable_grad():
+            outs = [t for args, kwargs in inputs
+                    for t in floating_tensors(twin(*args, **kwargs), limit=64) if t.requires_grad]
+            if not outs:
+                return {}
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         grads = [p.grad for p in twin.parameters() if p.grad is not None]
         if not grads:
             return {}

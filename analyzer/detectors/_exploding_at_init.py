@@ -26,6 +26,7 @@ import numpy as np
 from ..config import ExplodingGradientsConfig
 from ..findings import Finding
 from ..trace import RankTrace
+from .vanishing_gradients import grad_rms
 
 _NOT_DEPTH = ("Embedding", "Norm")  # module types skipped (EmbeddingBag, LayerNorm, BatchNorm2d...)
 
@@ -63,10 +64,10 @@ def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         g = rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64)[:, cols]
-        rms = g / np.sqrt(rt.param_numel[cols].astype(np.float64))
-        rms[~np.isfinite(rms) | (rms <= 0)] = np.nan
+        rms = grad_rms(g, rt.param_numel[cols].astype(np.float64))
+        rms[rms <= 0] = np.nan
         ok = ~np.isnan(rms).all(axis=1)
-        if ok.sum() < min(n, cfg.depth_steps):
+        if ok.sum() < n:
             return []  # a first step without gradients (or with NaNs) cannot be judged here
         med = np.nanmedian(rms[ok], axis=0)
     third = max(1, len(cols) // 3)

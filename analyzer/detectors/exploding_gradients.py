@@ -124,8 +124,7 @@ def _growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
 def _run_up(total: np.ndarray, healthy: np.ndarray, i: int, lo: int,
             cfg: ExplodingGradientsConfig) -> tuple[int, np.ndarray]:
     """Date the event where it began: walk back from step index i while the norm was already
-    `onset_factor` x (an order of magnitude) above the healthy steps before the event (or not
-    finite). Returns the onset and the rows of those healthy steps."""
+    `onset_factor` x above the healthy steps before the event (or not finite). Returns the onset and the rows of those healthy steps."""
     before = np.flatnonzero(healthy[:i])
     pre = before[-cfg.pre_window:]
     if not pre.size:

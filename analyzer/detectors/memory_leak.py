@@ -15,7 +15,8 @@ autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a 
 
 The leak is estimated as the fitted slope (bytes per step), dated at the first step from which
 memory stays above its level at the end of the warm-up (a leak already growing then is dated
-back as far as the fitted line explains the memory), within the span the tensor census brackets. The tensor census, when it grows too, points at the cause.
+back as far as the fitted line explains the memory), within the span the tensor census
+brackets. The tensor census, when it grows too, points at the cause.
 
 A kept loss whose graph backward() already freed costs only KBs a step: memory hides it for
 thousands of steps. So when memory shows no leak, a census count of tensors holding an autograd
@@ -26,6 +27,7 @@ graph that grows along a straight line (`graph_min_per_step`, `graph_min_growth`
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from ..config import MemoryLeakConfig
 from ..findings import Finding
@@ -271,8 +273,7 @@ def _growing_group(rt) -> dict | None:
         cause += f" That is the shape of the output of {', '.join(modules)}: something keeps it (a hook, a cache)."
     # The census dates the start better than memory does (allocators grow in bursts): the
     # last census at which the group was at its smallest.
-    mine = g[(g["device"] == device) & (g["dtype"] == dtype) & (g["shape"] == shape) & (g["graph"] == graph)
-             & (g["grad_fn"] == grad_fn)]
+    mine = g[(g[key] == pd.Series(top.index[0], index=key)).all(axis=1)]
     counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
     k = int(np.flatnonzero(counts.to_numpy() == counts.min())[-1])
     since, by = int(counts.index[k]), int(counts.index[min(k + 1, len(counts) - 1)])

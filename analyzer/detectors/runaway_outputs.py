@@ -45,7 +45,7 @@ def detect(rt: RankTrace, cfg: RunawayOutputsConfig) -> list[Finding]:
     layer = layers[-1][0]
     col = rt.module_names.index(layer)
     watched = np.searchsorted(rt.step_index, rt.sample_steps("activations"))
-    rows = np.unique(watched[(watched < fail) & (watched >= 0)])
+    rows = np.unique(watched[watched < fail])
     if len(rows) < cfg.baseline_samples + 1:
         return []
     values = rt.module_stat(rows=rows).to_numpy(dtype=np.float64)[:, col]

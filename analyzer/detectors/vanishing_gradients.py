@@ -52,7 +52,7 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for a, block in rt.blocks("params/grad_norm"):
-            rms = _rms(block[:, weights], numel)
+            rms = grad_rms(block[:, weights], numel)
             ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
             per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
     if ok_rows.sum() < cfg.min_window:
@@ -67,7 +67,7 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         # is long: the same median within noise, in bounded memory.
         sample = evenly_spaced(win, sample_rows(len(weights), MAX_WINDOW_ROWS))
         g = rt.param_stat("grad_norm", rows=sample).to_numpy(dtype=np.float64)[:, weights]
-        med = np.nanmedian(_rms(g, numel), axis=0)
+        med = np.nanmedian(grad_rms(g, numel), axis=0)
         early_min = np.nanmin(med[early])
         late_med = np.nanmedian(med[late])
     if not (np.isfinite(early_min) and np.isfinite(late_med)):
@@ -103,8 +103,9 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]
 
 
-def _rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite."""
+def grad_rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite (exploding_gradients' depth
+    rule uses it too)."""
     rms = np.asarray(g, dtype=np.float64) / np.sqrt(numel)
     rms[~np.isfinite(rms)] = np.nan
     return rms
