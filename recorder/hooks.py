@@ -35,6 +35,7 @@ from torch import nn
 
 from .functional import compiling
 from .histograms import histogram
+from .loss_graph import mark_outputs
 from .stats import Packer, activation_stats, combine_stats, floating_tensors
 
 
@@ -79,6 +80,7 @@ class ModuleWatcher:
         self._new_shapes: list[dict] = []
         self.t_forward_start: float | None = None
         self.t_forward_end: float | None = None
+        self.out_refs: list = []  # weak references to the step's last training forward's outputs
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
@@ -126,6 +128,12 @@ class ModuleWatcher:
         if compiling():
             return
         self.t_forward_end = time.perf_counter()
+        if torch.is_grad_enabled():  # a training forward: its outputs, for a loss gone NaN (loss_graph.py)
+            try:
+                self.out_refs = mark_outputs(output)
+            except Exception as e:  # never into the training's forward
+                self.out_refs = []
+                self._on_error(e)
 
     def producer(self, x) -> int:
         """Index of the module whose forward returned tensor x this step, or -1."""

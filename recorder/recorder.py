@@ -31,6 +31,7 @@ from .config import RecorderConfig
 from .cuda_memory import CudaMemoryRecorder, is_out_of_memory, raise_site, requested_bytes
 from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
+from .loss_graph import loss_ops, outputs_nonfinite
 from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
@@ -51,6 +52,7 @@ _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this 
 # faster steps repeat it. A reading is a system call on /proc: ~25 us right after a training
 # step (measured), 0.13% of the 20 ms step of benchmarks/'s MLP; a leak or a peak shows the same.
 RSS_EVERY_S = 0.1
+MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters
 
 
 def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
@@ -154,6 +156,7 @@ class Recorder:
         self._jumps = Jumps()  # a sudden jump of the loss or lr: the next watches come densely
         self._burst = 0  # watched steps still to take at the base gap after a jump
         self._jumped = False  # this step jumped (set by _write_step, used by _plan)
+        self._loss_checks = 0  # bad steps whose loss function was examined (loss_graph.py)
         self._t_last_step: float | None = None
         self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent plain step times
         # The next sampled update ratio (_record_step plans it); its weights are copied one step
@@ -863,7 +866,15 @@ class Recorder:
             mods = {**mods, "origin": max(mods["neg_origin"], -1), "batch_nonfinite": int(mods["neg_origin"] == -2)}
         if self._params:
             self._device = self._params[0].device
-        rows = {
+        rows = {}
+        if (bad_step or mods["origin"] >= 0) and self._loss_checks < MAX_LOSS_CHECKS:
+            # What the loss function did on this bad step, read now while its graph and the
+            # model's outputs may still be alive (loss_graph.py).
+            self._loss_checks += 1
+            ops = loss_ops(loss)
+            rows["loss_checks"] = [{"step": step, "outputs_nonfinite": outputs_nonfinite(self.watcher.out_refs),
+                                    "ops": json.dumps(ops)}]
+        rows.update({
             # float64 and int64 here: the writer thread stores them as float32/int32 (saturating)
             "params": {
                 "grad_norm": grad_norm,
@@ -873,7 +884,7 @@ class Recorder:
                 "param_norm": self._unmeasured if param_norm is None else param_norm,
             },
             "modules": {"output_absmax": mods["output_absmax"]},
-        }
+        })
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
         if "update_num" in host:
@@ -936,6 +947,7 @@ class Recorder:
         w = self.watcher
         t_fwd, t_fwd_end = w.t_forward_start, w.t_forward_end
         w.t_forward_start = w.t_forward_end = None
+        w.out_refs = []
         prev, now = self._t_step_end, time.perf_counter()
         self._t_step_end = now
         rows["steps"] = {

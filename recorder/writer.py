@@ -162,6 +162,10 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
         # analyzer tell which module made the tensors of a growing census group.
         "module_outputs": [Column("module", "i4"), Column("shape", "str"), Column("dtype", "str"),
                            Column("grad_fn", "str")],
+        # The loss function on the first steps that went NaN/Inf (loss_graph.py): whether the
+        # model's outputs were finite on the step itself (1 NaN/Inf, 0 finite, -1 not known) and
+        # the loss's autograd ops from the loss to the outputs (JSON list; null: not found).
+        "loss_checks": [Column("step", "i8"), Column("outputs_nonfinite", "i1"), Column("ops", "str")],
         # torch.profiler windows (profiler.py); the gzipped Chrome trace of each is in blobs/.
         "profile_windows": [
             Column("window", "i4"),

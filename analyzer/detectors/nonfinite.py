@@ -24,6 +24,7 @@ import numpy as np
 from ..config import NonfiniteConfig
 from ..findings import Finding
 from ..trace import RankTrace, measured_rows
+from . import _loss_ops
 
 KIND = "nonfinite"
 REQUIRES = ("steps/nonfinite_origin", "params/grad_nonfinite")
@@ -97,6 +98,14 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     # 1: the gradient at the model's outputs was NaN/Inf (measured on a watched step, or told by
     # the replay's backward); 0: it was finite, the model's backward made it; -1: not known.
     out_grad = int(steps["output_grad_nonfinite"].iloc[i])
+    # The loss function on this step, read by the recorder from its graph (loss_graph.py):
+    # whether the model's own outputs were finite, and the loss's ops.
+    check = rt.loss_checks.get(step, {})
+    outs_bad, ops = check.get("outputs_nonfinite", -1), check.get("ops")
+    if ops is not None:
+        evidence["loss_ops"] = ops
+    if outs_bad != -1:
+        evidence["outputs_nonfinite_on_step"] = bool(outs_bad)
     if batch_bad[i]:
         stage, where = "batch", []
         what = f"the input batch of step {step} already held NaN/Inf"
@@ -116,21 +125,29 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
                     f"turned it into NaN/Inf")
             evidence["chain"] = {"producer": rt.module_names[origin[i]], "consumer": rt.module_names[consumer],
                                  "step": step}
+    elif loss_bad[i] and not checked and outs_bad == 0:
+        # Modules not checked, but the model's outputs themselves were, on the step itself.
+        stage, where = "loss", []
+        what = (f"the model's outputs were finite at step {step} (checked on the step itself) but the loss was "
+                f"{steps['loss'].iloc[i]}: the loss function made it{_loss_ops.clause(ops, True)}")
     elif loss_bad[i] and not checked:
         stage, where = "unchecked", []
         what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, a step whose module outputs were not "
                 f"checked (the recorder watches every module on sampled steps, and its replay of this step "
                 f"on a copy of the model did not reproduce the NaN/Inf)")
+        what += ("; the model's outputs already held NaN/Inf on that step" if outs_bad == 1
+                 else _loss_ops.clause(ops, True))
     elif loss_bad[i]:
         stage, where = "loss", []
-        what = f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
+        what = (f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
+                f"{_loss_ops.clause(ops, True)}")
     elif bad_params.size and out_grad == 1:
         # The gradient arriving at the model's outputs was NaN/Inf already: born in the backward
         # of the loss, outside the model (sqrt/norm of 0, log(0) in a hand-written loss).
         stage, where = "loss_backward", []
         what = (f"the forward pass and the loss of step {step} were finite, but the gradient the loss sent "
                 f"back to the model's outputs was already NaN/Inf: it was born in the loss function's backward "
-                f"({len(bad_params)} parameter(s) got NaN/Inf gradients from it)")
+                f"({len(bad_params)} parameter(s) got NaN/Inf gradients from it){_loss_ops.clause(ops, False)}")
     elif bad_params.size:
         first = int(bad_params.max())  # backward reaches the last-defined parameters first
         stage, where = "backward", [rt.param_names[first]]
@@ -142,7 +159,8 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
             # above the last layer. This step did not tell whether the gradient at the outputs
             # was already non-finite (a watched step, or the replay's backward, would).
             what += (f", every one of them: it came into the backward pass at {rt.param_names[first]} or "
-                     f"above it, from the loss function's backward or an operation after the last layer")
+                     f"above it, from the loss function's backward or an operation after the last layer"
+                     f"{_loss_ops.clause(ops, False)}")
     else:
         bad_w = np.flatnonzero(w_bad)
         stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]
@@ -151,7 +169,10 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     evidence["stage"] = stage
     summary = (f"First NaN/Inf at step {step}: {what}; "
                f"{n_bad_steps} of the {len(idx) - i} steps recorded from then on are non-finite.")
-    return [Finding(KIND, "error", step, where, summary, evidence, _ADVICE[stage])]
+    advice = _ADVICE[stage]
+    if stage in ("loss", "loss_backward") or (stage == "backward" and "loss function's backward" in what):
+        advice = _loss_ops.advice(ops) + advice
+    return [Finding(KIND, "error", step, where, summary, evidence, advice)]
 
 
 

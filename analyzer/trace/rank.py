@@ -357,6 +357,25 @@ class RankTrace(MemoryTables, StoredTensors):
         return df.groupby(key, as_index=False, sort=False)[["count", "bytes"]].sum()[key + ["count", "bytes"]]
 
     @cached_property
+    def loss_checks(self) -> dict[int, dict]:
+        """The loss function on the first steps that went NaN/Inf, by step: outputs_nonfinite (1:
+        the model's outputs held NaN/Inf on the step itself, 0: finite, -1: not known) and ops
+        (the loss's autograd op names from the loss to the outputs; None: not found). Empty in
+        older traces."""
+        t = self._texts_table("loss_checks", ("step", "outputs_nonfinite", "ops"), ("ops",))
+        checks = {}
+        for step, outs, text in zip(t["step"], t["outputs_nonfinite"], t["ops"]):
+            try:
+                step = int(step)
+            except (ValueError, OverflowError):  # a damaged row
+                continue
+            ops = parse_json(text)
+            ok = isinstance(ops, list) and all(isinstance(o, str) for o in ops)
+            checks.setdefault(step, {"outputs_nonfinite": int(outs) if outs in (0, 1) else -1,
+                                          "ops": ops[:64] if ok else None})
+        return checks
+
+    @cached_property
     def module_outputs(self) -> pd.DataFrame:
         """The shape and dtype of each module's first floating-point output: module (name),
         module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
