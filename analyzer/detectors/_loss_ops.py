@@ -20,7 +20,8 @@ _RISKY = {
     "Std": "std", "StdMean": "std", "Lgamma": "lgamma", "Digamma": "digamma",
     "BinaryCrossEntropy": "binary_cross_entropy",
 }
-_FORWARD_ONLY = {"Exp": "exp", "Expm1": "expm1", "Sinh": "sinh", "Cosh": "cosh"}
+_FORWARD_ONLY = {"Exp": "exp", "Expm1": "expm1", "Sinh": "sinh", "Cosh": "cosh",
+                 "NllLoss": "nll_loss", "NllLoss2D": "nll_loss"}  # (mean over 0 targets: 0/0)
 _NODE = re.compile(r"^(.*?)Backward\d*$")
 
 
@@ -57,10 +58,11 @@ def clause(ops: list[str] | None, forward: bool) -> str:
     risky = risky_ops(ops, forward)
     if not risky:
         return ""
+    at = "at +-1" if set(risky) & {"acos", "asin", "atanh"} else "at 0"
     what = ("which can make NaN/Inf from finite values" if forward else
-            "whose derivative can be infinite (at 0; acos/asin at +-1)")
+            f"whose derivative can be infinite ({at})")
     text = f"; the loss function uses {', '.join(risky)}, {what}"
-    pattern = _pattern(ops)
+    pattern = _pattern(ops, forward)
     if pattern:
         text += f" ({pattern[0]})"
     return text
@@ -68,7 +70,7 @@ def clause(ops: list[str] | None, forward: bool) -> str:
 
 def advice(ops: list[str] | None) -> str:
     """Advice for the loss's own ops, to go before the general advice ('' if none)."""
-    pattern = _pattern(ops or [])
+    pattern = _pattern(ops or [], True)
     if pattern:
         return pattern[1] + " "
     risky = set(risky_ops(ops or [], True))
@@ -80,8 +82,14 @@ def advice(ops: list[str] | None) -> str:
     return ""
 
 
-def _pattern(ops: list[str]) -> tuple[str, str] | None:
+def _pattern(ops: list[str], forward: bool) -> tuple[str, str] | None:
+    """(what the loss does, the fix) for the commonest ways a loss makes NaN/Inf, or None."""
     bases = [_base(o) for o in ops]
+    if forward and ("NllLoss" in bases or "NllLoss2D" in bases) and "Log" not in bases:
+        return ("a cross_entropy or nll_loss whose every target is ignore_index is a mean over 0 "
+                "targets, 0/0 = NaN",
+                "If every target of a batch can be ignore_index (padding, masked tokens), skip such batches "
+                "or divide the summed loss by max(count, 1).")
     if "Log" in bases and ("Softmax" in bases or "Sigmoid" in bases):
         inner = "softmax" if "Softmax" in bases else "sigmoid"
         fix = ("F.log_softmax(x) or F.cross_entropy on the logits" if inner == "softmax"

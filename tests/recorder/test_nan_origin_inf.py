@@ -213,6 +213,7 @@ def test_a_nan_loss_with_zero_gradients_is_found_and_put_in_the_loss(every):
     # Watched: every module checked. Not watched: the outputs the loop still held, on the step.
     assert ("every module output was finite" if every == 1 else "checked on the step itself") in f.summary
     assert "NllLossBackward0" in f.evidence["loss_ops"] and f.evidence["outputs_nonfinite_on_step"] is False
+    assert "every target is ignore_index" in f.summary and "max(count, 1)" in f.advice
 
 
 @pytest.mark.parametrize("every", [1, 10], ids=["watched", "replayed"])
