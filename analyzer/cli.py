@@ -15,13 +15,12 @@ import numpy as np
 
 from .config import AnalysisConfig
 from .config_file import load_config
-from .detectors import DETECTORS
 from .display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
 from .errors import ConfigError, TraceError
 from .findings import SEVERITIES, Finding, first_to_go_wrong
 from .output import check_outputs, write_output
 from .restarts import attempt_lines, blackbox_lines, restart_lines
-from .run import analyze as run_detectors
+from .run import analyze as run_detectors, checked_kinds
 from .series import spacing
 from .trace import Trace, load
 
@@ -164,7 +163,7 @@ def main(argv=None) -> None:
               show_default=True, help="Exit with 1 when a finding of this severity or worse is found.")
 @click.option("--config", "config_path", type=click.Path(), metavar="FILE.toml",
               help="Detector thresholds to override: a TOML file with one table per detector kind, "
-                   "e.g. [update_ratio] too_large = 0.2 (see analyzer/config.py for the settings).")
+                   "e.g. [update_ratio] too_large = 0.2 (each detector's CONFIG in analyzer/detectors/ lists its settings).")
 @click.option("--open", "open_html", is_flag=True,
               help="Open the HTML report in a web browser (written to a temporary file without --html).")
 def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html):
@@ -192,7 +191,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
             click.echo(f"  note: rank {rt.rank} did not close its trace (job killed?); "
                        f"analyzed the {rt.n_steps:,} steps it flushed")
     if not any(f.severity in ("error", "warning") for f in findings):
-        checked = ", ".join(d.KIND for d in DETECTORS)
+        checked = ", ".join(checked_kinds(findings))
         click.echo(f"No problem found (checked: {checked}).")
     for f in findings:
         click.echo(_finding_line(f))

@@ -1,7 +1,7 @@
 """Detector thresholds from a TOML file: ``torchautopsy analyze RUN_DIR --config thresholds.toml``.
 
 One table per detector kind, holding the fields of that detector's config dataclass
-(analyzer/config.py); what the file leaves out keeps its default::
+(each detector's CONFIG, collected in analyzer/config.py); what the file leaves out keeps its default::
 
     [exploding_gradients]
     sustained_ratio = 50

@@ -55,6 +55,11 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (_RANK[f.severity], *_order(f)))
 
 
+def not_checked(f: Finding) -> bool:
+    """A detector's one finding saying it could not judge this trace (it lacks the data)."""
+    return f.severity == "info" and f.summary.startswith(f"{f.kind} not checked")
+
+
 def first_to_go_wrong(findings: list[Finding]) -> Finding | None:
     """The earliest warning or error in time (step, then stage within the step), any rank."""
     serious = [f for f in findings if f.severity in ("error", "warning") and f.step is not None]

@@ -8,7 +8,7 @@ from dataclasses import replace
 from .config import AnalysisConfig
 from .detectors import DETECTORS
 from .errors import TraceError
-from .findings import Finding, sort_findings
+from .findings import Finding, not_checked, sort_findings
 from .trace import Trace
 
 
@@ -37,7 +37,8 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None) -> list[Finding]:
         for rt, attempt in units:
             for det in DETECTORS:
                 try:
-                    found = det.detect(rt, getattr(cfg, det.KIND))
+                    lacking = [name for name in det.REQUIRES if rt.lacks(name)]
+                    found = _not_checked(det.KIND, lacking) if lacking else det.detect(rt, getattr(cfg, det.KIND))
                 except TraceError:
                     raise
                 except Exception as e:
@@ -49,6 +50,19 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None) -> list[Finding]:
                     )]
                 findings.extend(_of_attempt(replace(f, rank=rank), attempt) for f in found)
     return sort_findings(findings)
+
+
+def checked_kinds(findings: list[Finding]) -> tuple[str, ...]:
+    """The kinds every detector could judge: all but those that said "not checked"."""
+    skipped = {f.kind for f in findings if not_checked(f)}
+    return tuple(d.KIND for d in DETECTORS if d.KIND not in skipped)
+
+
+def _not_checked(kind: str, lacking: list[str]) -> list[Finding]:
+    """The one finding of a detector whose data the trace lacks (an older recorder's trace)."""
+    return [Finding(kind, "info", None, [], f"{kind} not checked: this trace lacks {', '.join(lacking)}.",
+                    {"lacking": lacking},
+                    "Record the run again with the current torchautopsy, which writes it.")]
 
 
 def _of_attempt(f: Finding, attempt) -> Finding:

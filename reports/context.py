@@ -79,7 +79,8 @@ class Context:
         window (NaN where the site ran in under half of the window's watched steps). Index: the
         window's last step; ``attrs["window_starts"]``: its first. Streams over windows: memory
         bounded by the number of units."""
-        return self._cached((rt.rank, "dead"), lambda: _dead_shares(rt))
+        # judged as the detector judges them: sites seen on min_seen_share of a window's watched steps
+        return self._cached((rt.rank, "dead"), lambda: _dead_shares(rt, self.cfg.dead_relu.min_seen_share))
 
     def weights(self, rt: RankTrace) -> list[str]:
         """Weight matrices and kernels (2+ dimensions), or every parameter if there are none."""
@@ -197,7 +198,7 @@ def _envelope(rt: RankTrace, name: str, steps: np.ndarray, rows: slice, columns)
     return frame
 
 
-def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
+def _dead_shares(rt: RankTrace, min_seen_share: float) -> pd.DataFrame | None:
     sites = rt.activity_sites
     if len(sites) == 0:
         return None
@@ -212,7 +213,7 @@ def _dead_shares(rt: RankTrace) -> pd.DataFrame | None:
         alive = np.concatenate([[0], np.cumsum(bits)])
         seen = np.asarray(seen, dtype=np.float64)
         seen_j = np.where(np.arange(len(a)) < len(seen), np.resize(seen, len(a)) if len(seen) else 0.0, 0.0)
-        ok = (seen_j >= 0.5 * length) & (b > a) & (length > 0)
+        ok = (seen_j >= min_seen_share * length) & (b > a) & (length > 0)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = 1.0 - (alive[np.minimum(b, len(bits))] - alive[np.minimum(a, len(bits))]) / (b - a)
         rows.append(np.where(ok, share, np.nan))

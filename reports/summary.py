@@ -5,9 +5,9 @@ The renderers (HTML, PDF, Markdown) take these strings and escape them for their
 
 from __future__ import annotations
 
-from ..analyzer.detectors import DETECTORS
 from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
 from ..analyzer.restarts import restart_lines
+from ..analyzer.run import checked_kinds
 from ..analyzer.trace import RankTrace, Trace
 from .format import format_bytes, format_duration, plural
 from .model import Fact, Span, Text, Verdict
@@ -15,13 +15,12 @@ from .sections import section
 from .sections._text import text
 
 # The detectors every report says it ran, in registry order.
-CHECKED = tuple(det.KIND for det in DETECTORS)
 PROBLEM_SEVERITIES = ("error", "warning")
 CLEAN_END = "closed cleanly"
 # The verdict names the first problem and at most this many after it (grouped by kind).
 MAX_CHAIN = 5
 
-__all__ = ["CHECKED", "CLEAN_END", "build_verdict", "ending", "format_bytes", "format_duration",
+__all__ = ["CLEAN_END", "build_verdict", "ending", "format_bytes", "format_duration",
            "plural", "recorder_settings", "run_facts", "steps_span"]
 
 
@@ -36,7 +35,7 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     problems = [f for f in findings if f.severity in PROBLEM_SEVERITIES]
     notes = len(findings) - len(problems)
     if not problems:
-        return Verdict("ok", "No problem found", (), CHECKED, 0, notes, None)
+        return Verdict("ok", "No problem found", (), checked_kinds(findings), 0, notes, None)
     worst = "error" if any(f.severity == "error" for f in problems) else "warning"
     counts = [plural(sum(f.severity == s for f in problems), s) for s in PROBLEM_SEVERITIES
               if any(f.severity == s for f in problems)]
@@ -67,7 +66,7 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     on = f" on rank {head_f.rank}" if n_ranks > 1 and head_f.rank is not None else ""
     headline = f"{', '.join(counts)}; first to go wrong: {head_f.kind}{at}{on}"
     anchor = (anchors or {}).get(id(head_f))
-    return Verdict(worst, headline, tuple(sentences), CHECKED, len(problems), notes, anchor)
+    return Verdict(worst, headline, tuple(sentences), checked_kinds(findings), len(problems), notes, anchor)
 
 
 def _when(f: Finding):

@@ -1,10 +1,26 @@
-"""The detector registry: an explicit tuple. Each detector module has KIND, REQUIRES and
-``detect(rank_trace, cfg) -> list[Finding]``, a pure function over a read-only trace."""
+"""The detector registry. Every module of this package whose name does not start with "_" is a
+detector, found here by itself, with:
 
-from . import (attention_collapse, dataloader_bottleneck, dead_relu, exploding_gradients,
-               host_device_copies, loss_divergence, loss_plateau, loss_scale, loss_zero, memory_leak, nonfinite,
-               out_of_memory, runaway_outputs, saturation, slow_steps, update_ratio, vanishing_gradients)
+- ``KIND``: the finding kind it reports (DESIGN.md);
+- ``CONFIG``: its thresholds, a frozen dataclass (a table of ``analyze --config``);
+- ``REQUIRES``: the trace datasets it cannot work without (the runner reports a trace that lacks
+  one as "not checked", run.py);
+- ``ORDER``: its place among the detectors (findings of one step and stage list in this order);
+- ``detect(rank_trace, cfg) -> list[Finding]``: a pure function over a read-only trace.
 
-DETECTORS = (nonfinite, exploding_gradients, vanishing_gradients, dead_relu, attention_collapse,
-             memory_leak, out_of_memory, saturation, loss_zero, runaway_outputs, loss_divergence, loss_plateau, update_ratio,
-             dataloader_bottleneck, host_device_copies, slow_steps, loss_scale)
+Adding a kind is adding a module here (with its test) and, for its own figure, one in
+reports/sections/."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+
+def _discover() -> tuple:
+    found = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
+             if not m.name.startswith("_")]
+    return tuple(sorted(found, key=lambda m: m.ORDER))
+
+
+DETECTORS = _discover()

@@ -20,13 +20,16 @@ is sparse, its RMS says nothing about depth) and normalisation layers (they rese
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import ExplodingGradientsConfig
 from ..findings import Finding
 from ..trace import RankTrace
-from .vanishing_gradients import grad_rms
+from ..trace.gradients import grad_rms
+
+if TYPE_CHECKING:  # (exploding_gradients imports this module)
+    from .exploding_gradients import ExplodingGradientsConfig
 
 _NOT_DEPTH = ("Embedding", "Norm")  # module types skipped (EmbeddingBag, LayerNorm, BatchNorm2d...)
 

@@ -17,16 +17,40 @@ similarity of the heads' maps. Three collapses, each judged per layer on the las
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import warnings
 
 import numpy as np
 
-from ..config import AttentionCollapseConfig
 from ..findings import Finding
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class AttentionCollapseConfig:
+    # Entropy collapse (Zhai et al. 2023, "Stabilizing Transformer Training by Preventing
+    # Attention Entropy Collapse"): a layer's mean normalised row entropy below this. Single
+    # low-entropy heads are often healthy specialists (previous-token heads), so the layer's
+    # mean is judged, from the first sampled step on (near one-hot at initialisation is broken).
+    entropy: float = 0.1
+    # All mass on one key position: every head of the layer puts more than this share of its
+    # attention on its single most-attended key (healthy heads with a sink stay below; the
+    # StreamingLLM sink heads put ~50-80% there).
+    sink_share: float = 0.95
+    # Heads alike: mean pairwise cosine similarity of the heads' maps above this while the
+    # layer is also sharp (mean entropy below `alike_entropy`); at initialisation every head is
+    # near-uniform and therefore alike, which is not a collapse.
+    similarity: float = 0.99
+    alike_entropy: float = 0.5
+    # The condition must hold on the last this-many sampled steps.
+    min_samples: int = 2
+
+
 KIND = "attention_collapse"
 REQUIRES = ("attention/entropy", "attention_sites/heads")
+CONFIG = AttentionCollapseConfig  # its thresholds: a [attention_collapse] table of analyze --config
+ORDER = 50  # among findings of one step and stage, the detectors run (and list) in this order
 
 _ADVICE = {
     "entropy": "Entropy collapse usually follows attention logits that grow too large: lower the "

@@ -13,14 +13,32 @@ and as a warning. Streams over windows: memory bounded by the number of units.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import DeadReluConfig
 from ..findings import Finding
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class DeadReluConfig:
+    # Share of a layer's units that never output a positive value during the latest window
+    # (activity_window steps, 50 by default). Healthy ReLU nets keep some dead units: 5-20% in
+    # our healthy sample traces (measured) and in Lu et al. 2019 ("Dying ReLU and
+    # initialization"); half or more of a layer is a layer that has mostly stopped learning.
+    warning_share: float = 0.5
+    error_share: float = 0.9
+    # Layers narrower than this are not judged: 3 dead units of 4 is noise, not a trend.
+    min_units: int = 8
+    # A unit counts as dead only if its site ran in at least this share of the window's steps.
+    min_seen_share: float = 0.5
+
+
 KIND = "dead_relu"
 REQUIRES = ("activity/ever_positive", "activity_sites/units")
+CONFIG = DeadReluConfig  # its thresholds: a [dead_relu] table of analyze --config
+ORDER = 40  # among findings of one step and stage, the detectors run (and list) in this order
 
 _RELU_LIKE = {"relu", "relu6", "hardtanh", "leaky_relu", "gelu"}
 _LABEL = {"relu": "ReLU", "relu6": "ReLU6", "hardtanh": "ReLU6", "leaky_relu": "LeakyReLU", "gelu": "GELU"}

@@ -14,11 +14,12 @@ Two definitions, both from what the pathology is (Pascanu et al. 2013; He et al.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import warnings
 
 import numpy as np
 
-from ..config import ExplodingGradientsConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
@@ -26,8 +27,45 @@ from ._exploding_at_init import detect_at_init
 from ._missing import no_gradients
 from ._schedule import lr_context
 
+
+@dataclass(frozen=True)
+class ExplodingGradientsConfig:
+    # Early baseline: median total gradient norm over the first finite steps of the run
+    # (10% of the run, at least 5 and at most 50 steps).
+    baseline_min_steps: int = 5
+    baseline_max_steps: int = 50
+    # Sustained: the trailing median over `window` steps exceeds the baseline this many times.
+    # Two orders of magnitude: on our healthy sample traces the total gradient norm stays within
+    # ~10x of its early median (measured; see README's table), while a learning rate too high
+    # passes 100x within a few steps of the divergence (Pascanu et al. 2013 describe the blow-up).
+    sustained_ratio: float = 100.0
+    window: int = 5
+    # A single-step jump this many times the baseline, not sustained, is reported as a warning.
+    spike_ratio: float = 1000.0
+    # Dating: an event began where the norm first stood `onset_factor` x above the median of the
+    # `pre_window` healthy steps before it (and stayed so); the parameters named grew most there.
+    # 30x, an order and a half of magnitude: tuned on the tuning half, whose oracles date a ramp
+    # of ~3x a step at its 10x or its 100x crossing (within 2 steps of both).
+    onset_factor: float = 30.0
+    pre_window: int = 50
+    # Present from the first steps, judged across depth (see detectors/_exploding_at_init.py).
+    # Backward: the first third of the weights' gradient RMS over the last third's, median of
+    # the first `depth_steps` steps; two orders of magnitude, as `sustained_ratio` (the
+    # vanishing detector's mirror). Healthy corpus runs stay under ~30.
+    depth_ratio: float = 100.0
+    depth_steps: int = 5
+    # Forward: on the first watched step, `chain_layers` or more successive weighted layers'
+    # outputs each at least `layer_gain` x the one before, `activation_growth` x in all (He et
+    # al. 2015: a gain g per layer multiplies the signal by g^depth). Healthy corpus runs: <4x.
+    activation_growth: float = 100.0
+    layer_gain: float = 1.5
+    chain_layers: int = 4
+
+
 KIND = "exploding_gradients"
 REQUIRES = ("params/grad_norm",)
+CONFIG = ExplodingGradientsConfig  # its thresholds: a [exploding_gradients] table of analyze --config
+ORDER = 20  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "Lower the learning rate (often by 3-10x) or add a warm-up; clip the gradient norm "

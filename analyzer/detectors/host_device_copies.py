@@ -8,15 +8,28 @@ more: a warning at the window's first step. Runs without CUDA activity are not j
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import HostDeviceCopiesConfig
 from ..findings import Finding
 from ..trace import RankTrace
-from ._step_time import phases
+from ..trace.step_time import phases
+
+
+@dataclass(frozen=True)
+class HostDeviceCopiesConfig:
+    # Share of the profiled steps' wall time spent in host<->device copies (CUDA "Memcpy HtoD" /
+    # "Memcpy DtoH" device time). A fed GPU copies each batch once, a few percent of a step;
+    # copies that take a fifth of the step point at tensors moved back and forth (.cpu(),
+    # .item(), .numpy(), pageable memory) — HTA's memory-bandwidth analysis flags the same.
+    share: float = 0.2
+
 
 KIND = "host_device_copies"
 REQUIRES = ("profile_ops/device_self_us",)
+CONFIG = HostDeviceCopiesConfig  # its thresholds: a [host_device_copies] table of analyze --config
+ORDER = 150  # among findings of one step and stage, the detectors run (and list) in this order
 
 _COPY_NAMES = ("Memcpy HtoD", "Memcpy DtoH")
 _ADVICE = (

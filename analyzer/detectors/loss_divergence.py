@@ -28,16 +28,50 @@ LossDivergenceConfig.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import LossDivergenceConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
 from ._schedule import lr_context
+from ._thresholds import check_bounds as _check
+
+
+@dataclass(frozen=True)
+class LossDivergenceConfig:
+    # Trailing median over this many steps smooths batch-to-batch noise before comparing losses;
+    # the first full window is the warm-up (no verdict before it). 20: with 10, the lowest of the
+    # medians of a very noisy loss (batch of 1, chi-square noise) sits 3x below its typical
+    # level (simulated); with 20 and the noise test below no simulated noisy run is flagged.
+    window: int = 20
+    # Diverged: the smoothed loss rises above this many times its best (lowest smoothed) value so
+    # far. healthy_mlp's never exceeds 1.2x its running minimum (measured); a language model that
+    # diverges climbs from ~2.5-3.5 towards ln(vocab) ~ 10.8, i.e. 3-4x.
+    rise_ratio: float = 2.0
+    # ... and that rise undoes at least this share of the progress made since the first window
+    # ((now - best) / (start - best)), so a loss near zero doubling from 1e-3 to 2e-3 stays quiet.
+    # 0.25: healthy_mlp's worst bump undoes 2% (measured).
+    min_progress_lost: float = 0.25
+    # ... and exceeds this many times the per-step noise of the loss (1.4826 x the median
+    # absolute deviation from the trailing median). 2.5: no false warning on 20 simulated flat or
+    # decaying runs each of chi-square(1), exponential and log-normal(sigma 2) noise, 100 to
+    # 20,000 steps; a 3x rise under 30% noise is always caught (simulated).
+    min_rise_in_noise: float = 2.5
+    # Still up at the end of the run: an error (rather than a warning) when the smoothed loss ends
+    # this many times above its best and above where it started: worse than the untrained model.
+    error_ratio: float = 100.0
+
+    def __post_init__(self):
+        _check(self, window=(2, None), rise_ratio=(1.0, None), min_progress_lost=(0.0, None),
+               min_rise_in_noise=(0.0, None), error_ratio=(1.0, None))
+
 
 KIND = "loss_divergence"
 REQUIRES = ("steps/loss",)
+CONFIG = LossDivergenceConfig  # its thresholds: a [loss_divergence] table of analyze --config
+ORDER = 110  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "Lower the learning rate (3-10x) or lengthen its warm-up, and clip the gradient norm "
@@ -67,7 +101,8 @@ def no_loss(rt: RankTrace, kind: str) -> list[Finding]:
 def loss_series(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     """The loss of every step (NaN where none was given) and where it was really non-finite.
 
-    The trace holds NaN both for "rec.step() was not given the loss" and for a NaN loss. A NaN
+    The trace holds NaN both for "rec.step() was not given the loss" and for a NaN loss;
+    steps/loss_given tells them apart (1: given, 0: not). In older traces, without it, a NaN
     counts as a NaN loss once a finite loss has been seen and when that step's gradients or
     weights are non-finite too, or absent (a NaN loss makes every gradient NaN); a NaN with
     finite gradients is a step whose loss was not passed.
@@ -76,9 +111,11 @@ def loss_series(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     nan = np.isnan(loss)
     real_nan = np.zeros(len(loss), dtype=bool)
     if nan.any():
+        given = rt.steps["loss_given"].to_numpy()
         d = rt.digest
         broken = d.grad_nonfinite | d.param_nonfinite | d.grad_absent
-        real_nan = nan & (np.cumsum(~nan) > 0) & broken
+        guessed = nan & (np.cumsum(~nan) > 0) & broken
+        real_nan = np.where(given == 1, nan, np.where(given == 0, False, guessed))
     return loss, np.isinf(loss) | real_nan
 
 

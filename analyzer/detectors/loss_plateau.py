@@ -19,16 +19,38 @@ epochs), made robust to per-step noise by comparing medians of many steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import LossPlateauConfig
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
 from .loss_divergence import loss_series, no_loss
+from ._thresholds import check_bounds as _check
+
+
+@dataclass(frozen=True)
+class LossPlateauConfig:
+    # The judged stretch: the last `tail_frac` of the run, and no verdict when it has fewer than
+    # `min_tail_steps` steps (a plateau is a long stretch).
+    tail_frac: float = 0.5
+    min_tail_steps: int = 50
+    # Plateau: the median loss of the stretch's last fifth (`edge_frac`) differs from that of its
+    # first fifth by less than this share. healthy_mlp (Adam 1e-3, constant) still improves by
+    # 15% over its last half (measured); vanishing_sigmoid, stuck at ln 4, changes by < 1%.
+    min_improvement: float = 0.05
+    edge_frac: float = 0.2
+
+    def __post_init__(self):
+        _check(self, tail_frac=(0.0, 1.0), min_tail_steps=(2, None), min_improvement=(0.0, None),
+               edge_frac=(0.0, 0.5))
+
 
 KIND = "loss_plateau"
 REQUIRES = ("steps/loss",)
+CONFIG = LossPlateauConfig  # its thresholds: a [loss_plateau] table of analyze --config
+ORDER = 120  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "A plateau is often fine: the model has fit what it can. If the loss is higher than you "

@@ -16,14 +16,31 @@ Judged after the start-up (up to the first step the optimizer took):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import LossScaleConfig
 from ..findings import Finding
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    # torch.amp.GradScaler's defaults: init_scale 2^16, backoff 0.5 per overflow, growth 2x after
+    # growth_interval=2000 clean steps. Below a scale of 1 the unscaled gradients overflow fp16
+    # (or are NaN) themselves: no scale can help.
+    min_scale: float = 1.0
+    # After the start-up, one overflow is one halving: 5 in a row means the gradients grew 32x
+    # past what fp16 holds within a few steps (healthy fp16 runs of ours skip 1 at a time).
+    consecutive_skips: int = 5
+    # A fall of 2^10 below the highest scale after the start-up: gradients 1000x larger.
+    max_drop: float = 1024.0
+
+
 KIND = "loss_scale_collapse"
 REQUIRES = ("steps/loss_scale", "steps/optimizer_steps")
+CONFIG = LossScaleConfig  # its thresholds: a [loss_scale_collapse] table of analyze --config
+ORDER = 170  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = ("The scaled fp16 gradients overflow step after step: find the layer whose gradients grow "
           "(the per-parameter gradient norms, an exploding_gradients finding), lower the learning rate "

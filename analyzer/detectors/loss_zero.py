@@ -15,15 +15,32 @@ late in a run that never fails is reported as info: an easy task fit to float pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import LossZeroConfig
 from ..findings import Finding
 from ..trace import RankTrace
 from .loss_divergence import loss_series
+from ._thresholds import check_bounds as _check
+
+
+@dataclass(frozen=True)
+class LossZeroConfig:
+    # A loss of exactly 0.0 on this share of the first `first_steps` steps, or of the steps before
+    # the loss first went non-finite, is a warning (see detectors/loss_zero.py). Half: a bug
+    # zeroes every step (a mask that keeps nothing) or most of them before it breaks.
+    min_share: float = 0.5
+    first_steps: int = 20
+
+    def __post_init__(self):
+        _check(self, min_share=(0.0, 1.0), first_steps=(1, None))
+
 
 KIND = "loss_zero"
 REQUIRES = ("steps/loss",)
+CONFIG = LossZeroConfig  # its thresholds: a [loss_zero] table of analyze --config
+ORDER = 90  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "A loss of exactly 0 carries no gradient. Check the loss's mask or weights (an inverted "

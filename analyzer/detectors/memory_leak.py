@@ -26,16 +26,46 @@ graph that grows along a straight line (`graph_min_per_step`, `graph_min_growth`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
-from ..config import MemoryLeakConfig
 from ..findings import Finding
 from ..memory_snapshot import site_growth
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class MemoryLeakConfig:
+    # Warm-up excluded from the fit: allocator pools, lazy initialisation and the first
+    # optimizer state make memory climb early in every run.
+    warmup_frac: float = 0.2
+    min_steps: int = 30
+    # Growth over the analysed span that counts: at least this many bytes and this share of the
+    # memory at its start. (glibc and the CUDA caching allocator move RSS/reserved by a few MB
+    # on healthy runs; measured on the sample traces.)
+    min_growth_bytes: float = 16 * 2**20
+    min_growth_share: float = 0.05
+    # Steady: a straight line explains the growth (R^2) and the last third still grows at this
+    # share of the overall slope (a plateau does not).
+    min_r2: float = 0.8
+    min_tail_slope_share: float = 0.5
+    # One-off jump: a single step holds this share of the whole growth.
+    jump_share: float = 0.5
+    # Tensors holding an autograd graph, counted by the census: a leak even before memory shows
+    # it when they grow by at least this many per step, this many in all, over this many
+    # censuses (healthy sample runs hold exactly 1, the step's loss, at every census; a kept
+    # loss adds 1 per step).
+    graph_min_per_step: float = 0.5
+    graph_min_growth: int = 50
+    graph_min_censuses: int = 4
+
+
 KIND = "memory_leak"
 REQUIRES = ("steps/rss_bytes",)
+CONFIG = MemoryLeakConfig  # its thresholds: a [memory_leak] table of analyze --config
+ORDER = 60  # among findings of one step and stage, the detectors run (and list) in this order
 
 _ADVICE_GRAPH = (
     "A tensor that holds an autograd graph is kept from step to step — typically "

@@ -19,15 +19,24 @@ never checked (-1) and the finding says so instead of blaming the loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import NonfiniteConfig
 from ..findings import Finding
 from ..trace import RankTrace, measured_rows
 from . import _loss_ops
 
+
+@dataclass(frozen=True)
+class NonfiniteConfig:
+    pass
+
+
 KIND = "nonfinite"
 REQUIRES = ("steps/nonfinite_origin", "params/grad_nonfinite")
+CONFIG = NonfiniteConfig  # its thresholds: a [nonfinite] table of analyze --config
+ORDER = 10  # among findings of one step and stage, the detectors run (and list) in this order
 
 _ADVICE = {
     "batch": "The data itself holds NaN/Inf: check the data pipeline and preprocessing for the "
@@ -173,7 +182,6 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     if stage in ("loss", "loss_backward") or (stage == "backward" and "loss function's backward" in what):
         advice = _loss_ops.advice(ops) + advice
     return [Finding(KIND, "error", step, where, summary, evidence, advice)]
-
 
 
 def _entered_at_outputs(rt: RankTrace, i: int, grad_bad: np.ndarray) -> bool:

@@ -13,13 +13,25 @@ its trace just stops (the analyze command says the trace was not closed).
 
 from __future__ import annotations
 
-from ..config import OutOfMemoryConfig
+from dataclasses import dataclass
+
 from ..findings import Finding
 from ..memory_snapshot import history_peak, is_library, live_sites, oom_request
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class OutOfMemoryConfig:
+    # How many allocation sites / tensor groups the finding lists, and how many frames of the
+    # line that raised the error (enough to name the layer, short enough for a ticket).
+    max_listed: int = 5
+    max_frames: int = 4
+
+
 KIND = "out_of_memory"
 REQUIRES = ("oom_events/step",)
+CONFIG = OutOfMemoryConfig  # its thresholds: a [out_of_memory] table of analyze --config
+ORDER = 70  # among findings of one step and stage, the detectors run (and list) in this order
 
 _ADVICE = (
     "Lower the memory a step needs: a smaller batch (with gradient accumulation to keep the "

@@ -16,16 +16,34 @@ away (warning), from the first of those steps that reached it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import RunawayOutputsConfig
 from ..findings import Finding
 from ..trace import RankTrace
 from ._exploding_at_init import weighted_layers
 from .loss_divergence import loss_series
+from ._thresholds import check_bounds as _check
+
+
+@dataclass(frozen=True)
+class RunawayOutputsConfig:
+    # Before the first NaN/Inf: the output layer's max |output| over the `window` steps before
+    # it at least `ratio` x (an order of magnitude) the median of the `baseline_samples` watched
+    # steps before that (see detectors/runaway_outputs.py).
+    ratio: float = 10.0
+    window: int = 20
+    baseline_samples: int = 5
+
+    def __post_init__(self):
+        _check(self, ratio=(1.0, None), window=(1, None), baseline_samples=(1, None))
+
 
 KIND = "runaway_outputs"
 REQUIRES = ("modules/output_absmax",)
+CONFIG = RunawayOutputsConfig  # its thresholds: a [runaway_outputs] table of analyze --config
+ORDER = 100  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "The last layer's weights are being pushed hard: lower the learning rate (or add a warm-up) "

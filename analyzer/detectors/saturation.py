@@ -7,14 +7,28 @@ activity window (activity/saturated_frac). Heuristic: in the latest window the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import SaturationConfig
 from ..findings import Finding
 from ..trace import RankTrace
 
+
+@dataclass(frozen=True)
+class SaturationConfig:
+    # Share of a tanh/sigmoid's outputs within 1% of its bounds (|tanh| > 0.99, sigmoid < 0.005
+    # or > 0.995) over the latest activity window. There the derivative is below 0.02: those
+    # units barely learn (LeCun et al. 1998, "Efficient BackProp", on keeping tanh inputs in
+    # its linear range; Glorot & Bengio 2010 saw the top sigmoid layer saturate). Healthy tanh
+    # layers in our tests stay under 10% (measured).
+    share: float = 0.5
+
+
 KIND = "saturation"
 REQUIRES = ("activity/saturated_frac",)
+CONFIG = SaturationConfig  # its thresholds: a [saturation] table of analyze --config
+ORDER = 80  # among findings of one step and stage, the detectors run (and list) in this order
 
 _ADVICE = (
     "Saturated tanh/sigmoid units pass almost no gradient (the derivative is below 0.02 there): "

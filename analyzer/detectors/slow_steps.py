@@ -14,15 +14,30 @@ steps outside profiler windows and their export, after the first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import SlowStepsConfig
 from ..findings import Finding
 from ..trace import RankTrace
-from ._step_time import PHASE_NAMES, PHASES, phases
+from ..trace.step_time import PHASE_NAMES, PHASES, phases
+
+
+@dataclass(frozen=True)
+class SlowStepsConfig:
+    # A step slower than this many times the median step, and by at least `min_excess_s`, is an
+    # outlier worth a look (below 50 ms, OS scheduling and garbage collection on a shared
+    # machine make millisecond steps jitter by several times; measured on this project's CI).
+    ratio: float = 3.0
+    min_excess_s: float = 0.05
+    min_steps: int = 20
+    max_listed: int = 10
+
 
 KIND = "slow_steps"
 REQUIRES = ("steps/forward_s",)
+CONFIG = SlowStepsConfig  # its thresholds: a [slow_steps] table of analyze --config
+ORDER = 160  # among findings of one step and stage, the detectors run (and list) in this order
 
 MIB = 2**20
 # A memory change between two steps counts as a jump when it is at least this large and 10x the

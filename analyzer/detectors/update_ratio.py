@@ -26,16 +26,54 @@ three below it, and were checked against the sample traces (see UpdateRatioConfi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..config import UpdateRatioConfig
 from ..findings import Finding
 from ..series import sample_rows, trailing_median
 from ..trace import RankTrace
 from ._schedule import lr_context
+from ._thresholds import check_bounds as _check
+
+
+@dataclass(frozen=True)
+class UpdateRatioConfig:
+    # Update-to-weight ratio ||dw|| / ||w|| of one optimizer step. "Somewhere around 1e-3" is
+    # healthy (Karpathy, CS231n "Neural Networks Part 3": ratio of weights:updates); healthy_mlp's
+    # weight matrices sit at 1e-3 - 3e-3 over its last half, 1e-2 at step 0 (measured).
+    # Too large: two orders of magnitude above 1e-3; the learning rate is too high.
+    too_large: float = 1e-1
+    # Too small: three orders below 1e-3, for weights that receive gradients; they barely move.
+    # float32 cannot even represent an update below ~6e-8 of a weight (machine epsilon 1.2e-7).
+    too_small: float = 1e-6
+    # Judged on the median over the last `window_frac` of the sampled updates that are finite
+    # (at least `min_samples`): early steps (the first ~50 in healthy_mlp) are larger.
+    window_frac: float = 0.5
+    min_samples: int = 3
+    # The onset is where the trailing median over this many samples first crossed the threshold.
+    onset_samples: int = 3
+    # Only weights of this many dimensions or more (matrices, kernels, embeddings): biases
+    # start at 0 and their ratio is huge or meaningless; norm gains barely move by design.
+    min_ndim: int = 2
+    # Weights whose RMS (||w|| / sqrt(numel)) is below this at the first recorded step are skipped
+    # (zero-initialised, e.g. LoRA B or zero-init residual projections: their ratio is relative
+    # to ~0), and so are samples where it is below. Default inits put RMS near 1/sqrt(3 fan_in),
+    # above 2e-3 up to fan_in 65536.
+    min_weight_rms: float = 1e-4
+
+    def __post_init__(self):
+        _check(self, too_large=(0.0, None), too_small=(0.0, None), window_frac=(0.0, 1.0),
+               min_samples=(1, None), onset_samples=(1, None), min_ndim=(0, None),
+               min_weight_rms=(0.0, None))
+        if not self.too_small < self.too_large:
+            raise ValueError(f"too_small ({self.too_small!r}) must be below too_large ({self.too_large!r})")
+
 
 KIND = "update_ratio"
 REQUIRES = ("updates/ratio", "params/param_norm", "params/grad_norm")
+CONFIG = UpdateRatioConfig  # its thresholds: a [update_ratio] table of analyze --config
+ORDER = 130  # among findings of one step and stage, the detectors run (and list) in this order
 
 # Samples judged at most: a longer run is read every k-th sample (the last one kept), so memory
 # stays bounded (~100 MB for 200 tensors); 10,000 samples give medians as sure as all of them,

@@ -10,21 +10,39 @@ a warning. The onset is the first step where the trailing median of that ratio f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import warnings
 
 import numpy as np
 
-from ..config import VanishingGradientsConfig
 from ..findings import Finding
-from ..series import evenly_spaced, sample_rows, trailing_median
+from ..series import trailing_median
 from ..trace import RankTrace
+from ..trace.gradients import grad_rms, median_grad_rms, weight_tensors
 from ._missing import no_gradients
+
+
+@dataclass(frozen=True)
+class VanishingGradientsConfig:
+    # Ratio of the gradient RMS of the earliest weight matrices to that of the last ones. Below
+    # 1e-3 (three orders of magnitude) the early layers effectively stop learning; healthy sample
+    # traces (MLP/ReLU) stay above 1e-1 (measured), a 12-layer sigmoid MLP falls below 1e-5
+    # (Glorot & Bengio 2010 measured the same decay through sigmoid layers).
+    ratio: float = 1e-3
+    # Absolute floor: an early-layer weight gradient RMS below this is "near zero" in float32.
+    near_zero_rms: float = 1e-10
+    # Judged over the last quarter of the run (at least `min_window` steps) so a slow start
+    # does not count; the onset is where the trailing median of the ratio first falls below.
+    window_frac: float = 0.25
+    min_window: int = 5
+    onset_window: int = 5
+
 
 KIND = "vanishing_gradients"
 REQUIRES = ("params/grad_norm",)
-
-# Rows read at most for the per-layer median over the judged window (see detect).
-MAX_WINDOW_ROWS = 20_000
+CONFIG = VanishingGradientsConfig  # its thresholds: a [vanishing_gradients] table of analyze --config
+ORDER = 30  # among findings of one step and stage, the detectors run (and list) in this order
 
 ADVICE = (
     "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh in deep stacks), an "
@@ -38,7 +56,7 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     missing = no_gradients(rt, KIND)
     if missing:
         return missing
-    weights = [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
+    weights = weight_tensors(rt)
     if len(weights) < 3:
         return []
     numel = rt.param_numel[weights].astype(np.float64)
@@ -63,11 +81,7 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         rows = np.flatnonzero(ok_rows)
         n_win = max(cfg.min_window, int(len(rows) * cfg.window_frac))
         win = rows[-n_win:]
-        # The per-layer median over the window, from an evenly spaced sample of its rows when it
-        # is long: the same median within noise, in bounded memory.
-        sample = evenly_spaced(win, sample_rows(len(weights), MAX_WINDOW_ROWS))
-        g = rt.param_stat("grad_norm", rows=sample).to_numpy(dtype=np.float64)[:, weights]
-        med = np.nanmedian(grad_rms(g, numel), axis=0)
+        med = median_grad_rms(rt, win, weights)  # per weight tensor, over the window
         early_min = np.nanmin(med[early])
         late_med = np.nanmedian(med[late])
     if not (np.isfinite(early_min) and np.isfinite(late_med)):
@@ -101,14 +115,6 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         summary = (f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {where[0]}, "
                    f"steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}).")
     return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]
-
-
-def grad_rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite (exploding_gradients' depth
-    rule uses it too)."""
-    rms = np.asarray(g, dtype=np.float64) / np.sqrt(numel)
-    rms[~np.isfinite(rms)] = np.nan
-    return rms
 
 
 def _all_zero(rt: RankTrace, med: np.ndarray, names: list[str], win: np.ndarray,

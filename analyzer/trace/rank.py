@@ -233,6 +233,11 @@ class RankTrace(MemoryTables, StoredTensors):
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
 
+    def lacks(self, name: str) -> bool:
+        """Whether the trace lacks dataset ``name`` (e.g. "steps/lr") and the reader cannot fill it
+        in: step columns added after the first traces read as "not measured" when absent."""
+        return name.removeprefix("steps/") not in _OPTIONAL_STEP_COLUMNS and not self._has(name)
+
     def _has(self, name: str) -> bool:
         with _open(self.path) as f:
             return name in f

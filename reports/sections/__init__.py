@@ -1,16 +1,23 @@
 """One module per finding kind: ``phrase(findings)`` says in a few words what went wrong (the
-verdict chains these), ``figure_for(ctx, finding)`` draws the evidence. Kinds with no module
-(analyzer_error, unreadable_rank, kinds added later) fall back to ``generic``."""
+verdict chains these), ``figure_for(ctx, finding)`` draws the evidence. Every module here whose
+name does not start with "_" is found by itself, by its ``KIND``; kinds with no module
+(analyzer_error, unreadable_rank, kinds without a figure of their own) fall back to ``generic``."""
 
 from __future__ import annotations
 
-from . import (attention_collapse, dataloader_bottleneck, dead_relu, exploding_gradients, generic,
-               loss_divergence, loss_plateau, memory_leak, nonfinite, out_of_memory, slow_steps, update_ratio,
-               vanishing_gradients)
+import importlib
+import pkgutil
 
-SECTIONS = {m.KIND: m for m in (nonfinite, exploding_gradients, vanishing_gradients, dead_relu,
-                                attention_collapse, memory_leak, out_of_memory, loss_divergence, loss_plateau,
-                                update_ratio, dataloader_bottleneck, slow_steps)}
+from . import generic
+
+
+def _discover() -> dict:
+    mods = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
+            if not m.name.startswith("_") and m.name != "generic"]
+    return {m.KIND: m for m in mods}
+
+
+SECTIONS = _discover()
 
 
 def section(kind: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...analyzer.detectors._step_time import PHASE_NAMES, PHASES
+from ...analyzer.trace.step_time import PHASE_NAMES, PHASES
 from ...analyzer.trace import RankTrace
 from .. import plots
 from ..context import Context, figure, no_figure

@@ -3,13 +3,10 @@ the window the detector judged: the early third against the last third."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
-from ...analyzer.detectors.vanishing_gradients import MAX_WINDOW_ROWS
-from ...analyzer.series import evenly_spaced, sample_rows
 from ...analyzer.findings import Finding
+from ...analyzer.trace.gradients import median_grad_rms, weight_tensors
 from .. import plots
 from ..context import Context, figure, no_figure, read_or_none
 from ..model import Figure, Text
@@ -33,19 +30,14 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Gradient RMS by depth", f.rank)
-    weights = [j for j, s in enumerate(rt.param_shapes) if len(s) >= 2]
+    weights = weight_tensors(rt)
     win = f.evidence.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
-    # The judged window's rows, an evenly spaced sample of them when long (as the detector does).
+    # The judged window's per-tensor median, as the detector takes it.
     span = rt.rows_in_span(win[0], win[-1])
-    sample = evenly_spaced(np.arange(span.start, span.stop), sample_rows(len(weights), MAX_WINDOW_ROWS))
-    g = read_or_none(lambda: rt.param_stat("grad_norm", rows=sample)) if rt.n_steps else None
-    if g is None or len(weights) < 2:
+    med = read_or_none(lambda: median_grad_rms(rt, np.arange(span.start, span.stop), weights)) \
+        if rt.n_steps and len(weights) >= 2 else None
+    if med is None:
         return no_figure(title, "Fewer than two weight tensors have gradients recorded.")
-    rms = g.to_numpy(dtype=np.float64)[:, weights] / np.sqrt(rt.param_numel[weights].astype(np.float64))
-    rms[~np.isfinite(rms)] = np.nan
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        med = np.nanmedian(rms, axis=0)
     if not (med > 0).any():
         return _all_zero(ctx, f, rt, ctx.param(rt, "grad_norm"), weights, win)
     names = [rt.param_names[j] for j in weights]
