@@ -32,7 +32,7 @@ def kind_of(rec) -> str:
         parts.append("hist" if rec.watcher.sample_histograms else "watched")
     if rec.profiler.prof is not None:
         parts.append("prof")
-    if s == rec._next_update or s + 1 == rec._next_update:
+    if s == rec.planner.next_update or s + 1 == rec.planner.next_update:
         parts.append("update")
     if rec.activity.window_ends(s):
         parts.append("window")

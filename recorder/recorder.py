@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import datetime as _dt
 import gc
 import json
@@ -35,7 +34,8 @@ from .loss_graph import loss_ops, outputs_nonfinite
 from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
-from .schedule import Jumps, OptimizerSchedule
+from .planner import StepPlanner
+from .schedule import OptimizerSchedule
 from .stats import Packer, l2_norm_values, l2_norms, takes_dots
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
@@ -152,20 +152,8 @@ class Recorder:
         # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
         self._watched = False
         self._replayed: dict | None = None
-        self._next_watch = 0  # the next step whose modules are all hooked (_plan)
-        self._jumps = Jumps()  # a sudden jump of the loss or lr: the next watches come densely
-        self._burst = 0  # watched steps still to take at the base gap after a jump
-        self._jumped = False  # this step jumped (set by _write_step, used by _plan)
+        self.planner = StepPlanner(self.config)  # which step records what, within the budgets
         self._loss_checks = 0  # bad steps whose loss function was examined (loss_graph.py)
-        self._t_last_step: float | None = None
-        self._plain_s: collections.deque = collections.deque(maxlen=21)  # recent plain step times
-        # The next sampled update ratio (_record_step plans it); its weights are copied one step
-        # before. The last sampled step, and how long the step before it took (_plan).
-        self._next_update = 0
-        self._sampled_step = -1
-        self._t_before_update: float | None = None
-        self._update_extra: collections.deque = collections.deque(maxlen=5)  # recent samples' cost
-        self._next_hist = 0  # the next histogram step (_plan)
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -470,8 +458,8 @@ class Recorder:
         """Tell the hooks what the coming step records, and hook every module if it records
         anything per module (a watched step; other steps hook only the root, see hooks.py)."""
         w = self.watcher
-        w.sample_activations = self.attention.sampled = step >= self._next_watch
-        w.sample_histograms = bool(self.config.histogram_every) and step == self._next_hist
+        w.sample_activations = self.attention.sampled = step >= self.planner.next_watch
+        w.sample_histograms = bool(self.config.histogram_every) and step == self.planner.next_hist
         w.sample_tensors = self.samples is not None and self.samples.due(step)
         self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
         if self._watched or w.watching:  # (from one plain step to the next nothing changes)
@@ -481,77 +469,6 @@ class Recorder:
                 self.blackbox.take_rng = self._watched or not self.blackbox.rng_free
         self._replayed = None
         self.activity.step = self.attention.step = step
-
-    def _plan(self, step: int) -> None:
-        """After a step: time it; after a watched step choose the next one (see the config's
-        watch_budget), after a histogram step the next one (histogram_budget), and after a
-        sampled update ratio note what its two steps cost."""
-        now = time.perf_counter()
-        took = now - self._t_last_step if self._t_last_step is not None else None
-        self._t_last_step = now
-        sampled = step == self._sampled_step
-        if sampled:
-            # Its two steps over plain ones (a watched sampled step counts as twice the step
-            # before it, whose copy and norms it matches).
-            before = self._t_before_update
-            plain = self._plain_step_s()
-            if before is not None and took is not None and plain is not None:
-                self._update_extra.append(2 * (before - plain) if self.watcher.sample_activations
-                                          else (before - plain) + (took - plain))
-            self._t_before_update = None
-        w = self.watcher
-        if step + 1 == self._next_update:
-            self._t_before_update = took
-        elif not (self._watched or sampled) and took is not None:  # (watched: histograms, samples too)
-            self._plain_s.append(took)
-        if w.sample_histograms or w.sample_activations:
-            cfg = self.config
-            plain = self._plain_step_s()
-            over = took - plain if took is not None and plain is not None else None  # this step's extra
-            if w.sample_histograms:
-                every = cfg.histogram_every
-                self._next_hist = step + self._budget_gap(step, over, plain, cfg.histogram_budget, every, 10 * every)
-            if w.sample_activations:
-                base = min(cfg.activations_every, cfg.attention_every)
-                # At most one activity window apart: every window (dead units) and every stretch
-                # of 50 steps (attention, activations) keeps a sample, even on a tiny model.
-                self._next_watch = step + self._budget_gap(step, over, plain, cfg.watch_budget, base,
-                                                           max(base, -(-cfg.activity_window // base) * base))
-                if self._burst:
-                    self._next_watch, self._burst = step + base, self._burst - 1
-        if self._jumped:  # watch the next step, then 4 more at the base gap (40 steps on)
-            self._next_watch, self._burst, self._jumped = step + 1, 4, False
-
-    def _plain_step_s(self) -> float | None:
-        """Median time of the recent plain steps (neither watched nor part of an update-ratio
-        sample), or None before there are three. Sorted only where needed (watched and sampled
-        steps), not on the plain steps, which are most of them."""
-        n = len(self._plain_s)
-        return sorted(self._plain_s)[n // 2] if n >= 3 else None
-
-    def _update_gap(self, step: int) -> int:
-        """Steps from this sampled update ratio to the next, at the median cost of the last few
-        samples (one step can be slowed by anything: a census, the OS)."""
-        every, extra = self.config.update_ratio_every, self._update_extra
-        return self._budget_gap(step, sorted(extra)[len(extra) // 2] if extra else None, self._plain_step_s(),
-                                self.config.update_ratio_budget, every, 10 * every)
-
-    def _budget_gap(self, step: int, extra: float | None, plain: float | None, budget: float,
-                    base: int, most: int) -> int:
-        """Steps to the next sample of a budgeted schedule (watched steps, histograms, update
-        ratios): `base` in the warm-up (watch_warmup) or while a sample's `extra` seconds or the
-        plain step's time are unknown; then the multiple of `base`, at most `most`, at which
-        samples take at most `budget` of the training time."""
-        if step + 1 < self.config.watch_warmup or extra is None or plain is None:
-            return base
-        return self._gap(extra, budget * plain, base, most)
-
-    @staticmethod
-    def _gap(extra: float, allowed: float, base: int, most: int) -> int:
-        """Steps to the next sample: the multiple of `base`, at most `most`, at which a sample
-        costing `extra` seconds adds at most `allowed` seconds a step."""
-        need = int(math.ceil(max(0.0, extra) / max(allowed, 1e-12)))
-        return min(max(base, -(-need // base) * base), max(base, most))
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
     def on_activation(self, fn, args, kwargs, out) -> None:
@@ -699,7 +616,8 @@ class Recorder:
                 self._fail(e)
             self._norms = []
         if self._active:
-            self._plan(self._step)
+            w = self.watcher
+            self.planner.after_step(self._step, self._watched, w.sample_activations, w.sample_histograms)
         self._step += 1
         if self._active:
             self._set_schedule(self._step)
@@ -718,8 +636,9 @@ class Recorder:
         as it can: the loss's one transfer, a row of host values; the writer thread makes
         float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
         step = self._step
-        if (self._watched or self.profiler.prof is not None or step == self._next_update
-                or step + 1 == self._next_update or step >= self.activity.last_step):  # (window_ends)
+        next_update = self.planner.next_update
+        if (self._watched or self.profiler.prof is not None or step == next_update
+                or step + 1 == next_update or step >= self.activity.last_step):  # (window_ends)
             return False
         norms = self._cached_norms()
         if norms is None:
@@ -764,11 +683,11 @@ class Recorder:
                     self._add_grad_range(pk, present)
             # Weight norms on watched steps, and on the step before an update ratio (its
             # ||w_before||); other steps write -1 (not measured) unless they go bad.
-            if step == self._next_update:  # a sample: plan the next now, its copy may be due at once
-                self._sampled_step = step
-                self._next_update = step + self._update_gap(step)
-            measure_w = watched or step + 1 == self._next_update
-            do_update = self._prev_weights is not None and step == self._sampled_step
+            plan = self.planner
+            if step == plan.next_update:  # a sample: plan the next now, its copy may be due at once
+                plan.sample_update(step)
+            measure_w = watched or step + 1 == plan.next_update
+            do_update = self._prev_weights is not None and step == plan.sampled_step
             update_den = None
             weights = self._weights() if measure_w or do_update else None
             if weights:
@@ -844,10 +763,10 @@ class Recorder:
 
             # Weights to compare the next sampled update against: taken after this update, with
             # their norms (measured on this step: ||w_before|| of the next).
-            if self._params and step + 1 == self._next_update:
+            if self._params and step + 1 == plan.next_update:
                 self._prev_weights = self._copy_weights()
                 self._prev_norm = param_norm
-            elif self._params and step == self._sampled_step:
+            elif self._params and step == plan.sampled_step:
                 self._prev_weights = self._prev_norm = None
 
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
@@ -937,7 +856,7 @@ class Recorder:
         if t_called - self._rss_at >= RSS_EVERY_S:
             self._rss, self._rss_at = rss_bytes(), t_called
         rss, time_s = self._rss, time.time()
-        self._jumped = self._jumps.seen(step, loss_value, self._sched[0])
+        self.planner.saw(step, loss_value, self._sched[0])
         n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
@@ -1022,12 +941,7 @@ class Recorder:
         t0 = time.perf_counter()
         n, nbytes, graphs, groups = tensor_census()
         cost = time.perf_counter() - t0
-        # Against the median plain step (_plain_s), not the mean time between steps: an
-        # evaluation pass or a checkpoint between steps would make censuses more frequent.
-        gap, plain = self.config.census_every, self._plain_step_s()
-        if plain is not None:
-            gap = max(gap, int(cost / (self.config.census_budget * max(plain, 1e-9))) + 1)
-        self._next_census = max(self._next_census, step + gap)
+        self._next_census = max(self._next_census, step + self.planner.census_gap(cost))
         return n, nbytes, graphs, groups
 
     def _cuda_snapshot(self, step: int):

@@ -172,10 +172,9 @@ def begin(rec) -> None:
 def _align(rec, s: int) -> None:
     """Schedules that count from step 0 start from step s instead (the start of an attempt,
     as step 0 is of a run)."""
-    rec._next_watch = rec._next_hist = s
     # The first update ratio at s + 1, against a copy taken at the end of step s: a copy taken
     # when the Recorder opened may predate the checkpoint's weights.
-    rec._next_update = s + 1
+    rec.planner.align(s)
     act = rec.activity
     act._window_start, act.step = s, s
     act.last_step = act._last_step()

@@ -271,37 +271,3 @@ class OptimizerSchedule:
         self._used = {}
         self._ended += 1
         return lr, scale, n, tables
-
-
-class Jumps:
-    """Sudden changes worth a closer look: the loss jumping above its recent level, or the
-    learning rate rising 3x or more in one step (a scheduler bug, a warm-up restart; warm-up's
-    own increments and decays do not). After one the recorder watches the next steps densely
-    (recorder._plan), so that what follows it — attention collapsing, units dying — is dated to
-    within a few steps instead of the sparse schedule's 50. At most one burst per `quiet` steps,
-    so a noisy loss cannot make every step a watched one. Float arithmetic only: it runs on
-    every plain step."""
-
-    LOSS_JUMP = 3.0  # x the loss's moving average (over ~20 steps, once 20 losses were seen)
-    LR_JUMP = 3.0  # x the previous step's learning rate
-    QUIET = 200  # steps between bursts, at least
-
-    def __init__(self):
-        self._loss_avg = math.nan
-        self._losses = 0
-        self._lr = math.nan
-        self._last = -self.QUIET
-
-    def seen(self, step: int, loss: float, lr: float) -> bool:
-        """Whether this step jumped (and no burst was started in the last QUIET steps)."""
-        avg, prev_lr = self._loss_avg, self._lr
-        jumped = (self._losses >= 20 and avg > 0 and loss > self.LOSS_JUMP * avg) or (
-            prev_lr > 0 and lr > self.LR_JUMP * prev_lr)
-        if loss == loss and abs(loss) != math.inf:  # (not NaN/Inf: a bad step is measured in full anyway)
-            self._loss_avg = loss if avg != avg else avg + 0.05 * (loss - avg)
-            self._losses += 1
-        self._lr = lr
-        if jumped and step - self._last >= self.QUIET:
-            self._last = step
-            return True
-        return False

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from torchautopsy import Recorder
+from torchautopsy.recorder.planner import StepPlanner
 
 from recorder_testlib import WATCHED, attr_str, batch, build, hooks_left, names, open_trace
 
@@ -219,9 +220,9 @@ def test_update_ratio_budget_spacing(tmp_path):
     assert len(gaps) and (gaps % 3 == 0).all() and (gaps >= 3).all() and (gaps <= 30).all(), steps
     np.testing.assert_allclose(ratio, [ref["ratio"][s] for s in steps], rtol=1e-4)
     # The gap: the multiple of the base at which the sample's cost fits the budget, within bounds.
-    assert Recorder._gap(1.0, 0.1, 3, 30) == 12  # 1.0 s a sample, 0.1 s a step allowed: 10 -> 12
-    assert Recorder._gap(5.0, 0.1, 3, 30) == 30  # at most 10x
-    assert Recorder._gap(-0.2, 0.1, 3, 30) == 3  # a sample that measured faster than a plain step
+    assert StepPlanner.gap(1.0, 0.1, 3, 30) == 12  # 1.0 s a sample, 0.1 s a step allowed: 10 -> 12
+    assert StepPlanner.gap(5.0, 0.1, 3, 30) == 30  # at most 10x
+    assert StepPlanner.gap(-0.2, 0.1, 3, 30) == 3  # a sample that measured faster than a plain step
 
 
 def test_histogram_budget_spacing(tmp_path):
