@@ -45,7 +45,7 @@ class RecorderConfig:
     # collector's object list: every 50 steps at most, and less often if a census would take more
     # than census_budget of the training time. It reads every object Python tracks: ~50 ms in a
     # process that imported torch (~290,000 objects; measured), so the MLP of benchmarks/ (35 ms
-    # steps) takes one every ~900 steps. Memory climbing to a new high takes one too (_census).
+    # steps) takes one every ~900 steps. Memory climbing to a new high takes one too (memory_probe.py).
     census_every: int = 50
     # Share of the training time the census may take; sparser than census_every if needed.
     census_budget: float = 0.0015

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
-import gc
 import json
 import math
 import operator
@@ -27,11 +26,12 @@ from . import functional
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .config import RecorderConfig
-from .cuda_memory import CudaMemoryRecorder, is_out_of_memory, raise_site, requested_bytes
+from .cuda_memory import is_out_of_memory
 from .histograms import N_BINS, bin_edges, histogram, spread
 from .hooks import ModuleWatcher
 from .loss_graph import loss_ops, outputs_nonfinite
-from .memory import RSS_SOURCE, cuda_bytes, rss_bytes, tensor_census
+from .memory import RSS_SOURCE
+from .memory_probe import MemoryProbe
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
 from .planner import StepPlanner
@@ -45,13 +45,7 @@ _MAX_SUMMARY_CHARS = 65536
 # cold, and a generator over the parameters costs several us more than these (measured).
 _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
-_NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CUDA
-_NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
-# Resident memory is read again at a step once this long has passed since the last reading;
-# faster steps repeat it. A reading is a system call on /proc: ~25 us right after a training
-# step (measured), 0.13% of the 20 ms step of benchmarks/'s MLP; a leak or a peak shows the same.
-RSS_EVERY_S = 0.1
 MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters
 
 
@@ -119,22 +113,9 @@ class Recorder:
         self.activity = None
         self.attention = None
         self.profiler = None
-        self._next_census = 0
-        self._census_peak = 0  # the highest memory a census was taken at
-        self._last_census = -(10**9)
         self._t_step_end: float | None = None
-        self._rss = -1  # the last reading of resident memory (RSS_EVERY_S), and when it was taken
-        self._rss_at = -math.inf
         self._data_wait_s = 0.0  # time in DataLoader.__next__ since the last rec.step()
         self._saw_loader = False
-        self._at_peak = False  # this step's memory is a new high (a census was taken for it)
-        self.cuda_memory = None
-        self._oom_events = 0
-        self._oom_snapshot_step = -1
-        self._gc_s = 0.0  # time in Python's garbage collector since the last rec.step()
-        self._gc_gen2 = 0
-        self._gc_t0 = None
-        self._gc_callback = None
         self.snapshots = None
         self.samples = None
         self.blackbox = None
@@ -153,6 +134,7 @@ class Recorder:
         self._watched = False
         self._replayed: dict | None = None
         self.planner = StepPlanner(self.config)  # which step records what, within the budgets
+        self.memory = MemoryProbe(self.config, self.planner, self._fail)  # RSS, CUDA, census, GC, OOM
         self._loss_checks = 0  # bad steps whose loss function was examined (loss_graph.py)
 
         named = list(model.named_parameters())
@@ -259,12 +241,14 @@ class Recorder:
         functional.attach(self)
         self.schedule = OptimizerSchedule(self._param_index, self.schedule.scaler)
         self.schedule.attach()
-        if CudaMemoryRecorder.available(self._device):
-            try:
-                self._attach_cuda_memory()
-            except Exception as e:
-                self._cuda_memory_off(e)
-        self._attach_gc()
+        ref = weakref.ref(self)
+
+        def on_cuda_oom(device, alloc, device_total, device_free):  # the CUDA allocator's observer
+            rec = ref()
+            if rec is not None and rec._active:
+                rec.memory.on_cuda_oom(rec._step, device, alloc, device_total, device_free)
+
+        self.memory.attach(self._device, self.writer, on_cuda_oom)
         self._setup_tensors()
         self._active = True
         resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
@@ -450,8 +434,8 @@ class Recorder:
         # interactive session, where it may be an old error the session went on after.
         interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
         exc = None if interactive else (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
-        if exc is not None and is_out_of_memory(exc):
-            self._on_oom_exception(exc, exc.__traceback__)
+        if exc is not None and is_out_of_memory(exc) and self._active:
+            self.memory.on_oom_exception(self._step, self._device, exc, exc.__traceback__)
         self.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
     def _set_schedule(self, step: int) -> None:
@@ -486,120 +470,6 @@ class Recorder:
 
     def on_observer_error(self, e: BaseException) -> None:
         self._fail(e)
-
-    # -- the CUDA allocator's record ----------------------------------------------------------
-    def _attach_cuda_memory(self) -> None:
-        self.cuda_memory = CudaMemoryRecorder(self._device, self.config.cuda_memory_history,
-                                              self.config.cuda_history_entries)
-        ref = weakref.ref(self)
-
-        def on_oom(device, alloc, device_total, device_free):  # the allocator's observer
-            rec = ref()
-            if rec is not None:
-                rec._on_cuda_oom(device, alloc, device_total, device_free)
-
-        self.cuda_memory.attach_oom_observer(on_oom)
-
-    def _cuda_memory_off(self, e: BaseException) -> None:
-        """A failing snapshot or history turns them off, not the rest of the recording."""
-        warnings.warn(f"torchautopsy: CUDA memory snapshots turned off ({type(e).__name__}: {e}); the rest "
-                      "of the recording goes on", RuntimeWarning, stacklevel=3)
-        cm, self.cuda_memory = self.cuda_memory, None
-        if cm is not None:
-            try:
-                cm.stop()
-            except Exception:
-                pass
-
-    # -- garbage collector --------------------------------------------------------------------
-    def _attach_gc(self) -> None:
-        """Time Python's garbage collector (gc.callbacks): a callback per collection, ~1 us."""
-        ref = weakref.ref(self)
-
-        def on_gc(phase, info):
-            rec = ref()
-            if rec is None:
-                return
-            if phase == "start":
-                rec._gc_t0 = time.perf_counter()
-            elif rec._gc_t0 is not None:
-                rec._gc_s += time.perf_counter() - rec._gc_t0
-                rec._gc_t0 = None
-                if info.get("generation") == 2:
-                    rec._gc_gen2 += 1
-
-        self._gc_callback = on_gc
-        gc.callbacks.append(on_gc)
-
-    # -- running out of memory ----------------------------------------------------------------
-    def _on_cuda_oom(self, device, alloc, device_total, device_free) -> None:
-        """The CUDA allocator's out-of-memory observer: called before it raises, with the state
-        that made it fail still in place. Snapshot it and flush, as the job may die next.
-
-        Its third argument is the device's total memory (or the allowed maximum under
-        set_per_process_memory_fraction), whatever PyTorch's docs call it (CUDACachingAllocator.cpp
-        passes `set_fraction ? allowed_memory_maximum : device_total`); allocated and reserved
-        bytes are read from the allocator's counters, which its lock no longer holds by then."""
-        if not self._active or self.cuda_memory is None:
-            return
-        try:
-            snapshot = -1
-            if self.cuda_memory.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
-                self.cuda_memory.n_oom_snapshots += 1
-                try:
-                    snapshot, task = self.cuda_memory.take(self._step, "oom")
-                    self.writer.put_task(task)
-                    self._oom_snapshot_step = self._step
-                except Exception as e:
-                    self._cuda_memory_off(e)
-            allocated, reserved, _ = cuda_bytes(torch.device("cuda", int(device)))
-            self.writer.put({"oom_events": {
-                "step": self._step, "time_s": time.time(), "source": "observer", "device": f"cuda:{int(device)}",
-                "requested_bytes": int(alloc), "device_allocated_bytes": allocated,
-                "device_reserved_bytes": reserved,
-                "device_free_bytes": int(device_free), "device_total_bytes": int(device_total),
-                "rss_bytes": rss_bytes(), "snapshot": snapshot,
-                "message": "", "raised_at": "",
-            }})
-            self._oom_events += 1
-            self.writer.flush()
-        except Exception as e:
-            self._fail(e)
-
-    def _on_oom_exception(self, exc: BaseException, tb) -> None:
-        """An out-of-memory error leaving the `with Recorder(...)` block: what was live then (a
-        census, and on CUDA a snapshot unless the observer took one for this step)."""
-        if not self._active:
-            return
-        try:
-            message = f"{type(exc).__name__}: {exc}"
-            cuda = self._device.type == "cuda" and ("CUDA" in message or "cuda" in message)
-            snapshot = -1
-            cm = self.cuda_memory
-            if cuda and cm is not None and self._oom_snapshot_step != self._step \
-                    and cm.n_oom_snapshots < CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
-                cm.n_oom_snapshots += 1
-                try:
-                    snapshot, task = cm.take(self._step, "exception")
-                    self.writer.put_task(task)
-                except Exception as e:
-                    self._cuda_memory_off(e)
-            alloc, reserved, _ = cuda_bytes(self._device) if cuda else (-1, -1, -1)
-            _, _, _, groups = tensor_census()
-            event = self._oom_events
-            self._oom_events += 1
-            self.writer.put({
-                "oom_events": {
-                    "step": self._step, "time_s": time.time(), "source": "exception",
-                    "device": str(self._device) if cuda else "cpu", "requested_bytes": requested_bytes(message),
-                    "device_allocated_bytes": alloc, "device_reserved_bytes": reserved, "device_free_bytes": -1,
-                    "device_total_bytes": -1, "rss_bytes": rss_bytes(),
-                    "snapshot": snapshot, "message": message[:4000], "raised_at": raise_site(tb)[:4000],
-                },
-                "oom_tensor_groups": [{"event": event, **g} for g in groups],
-            })
-        except Exception as e:
-            self._fail(e)
 
     # -- per step -----------------------------------------------------------------------------
     def step(self, loss=None) -> None:
@@ -852,15 +722,13 @@ class Recorder:
         """Add the step's row of steps/ (loss, memory now, where NaN/Inf was born, the census,
         GC time, the time split) to its rows and queue them, then a CUDA snapshot if one is due.
         One dict, built once: right after a training step each call and dict update runs cold."""
-        alloc, reserved, peak = cuda_bytes(self._device) if self._device.type == "cuda" else _NO_CUDA
-        if t_called - self._rss_at >= RSS_EVERY_S:
-            self._rss, self._rss_at = rss_bytes(), t_called
-        rss, time_s = self._rss, time.time()
+        mem = self.memory
+        alloc, reserved, peak, rss, n, nbytes, graphs, groups, gc_s, gc_gen2 = mem.read(step, self._device, t_called)
+        time_s = time.time()
         self.planner.saw(step, loss_value, self._sched[0])
-        n, nbytes, graphs, groups = self._census(step, alloc if alloc >= 0 else rss)
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
-        snapshot_task = self._cuda_snapshot(step) if self.cuda_memory is not None else None
+        snapshot_task = mem.cuda_snapshot(step) if mem.cuda is not None else None
         # Where the step's time went; NaN where a phase was not seen (no forward, first step,
         # no DataLoader).
         w = self.watcher
@@ -876,7 +744,7 @@ class Recorder:
             "nonfinite_consumer": mods.get("consumer", -1),
             "output_grad_nonfinite": mods.get("output_grad_nonfinite", -1),
             "live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs,
-            "gc_s": self._gc_s, "gc_gen2": self._gc_gen2,
+            "gc_s": gc_s, "gc_gen2": gc_gen2,
             "data_wait_s": self._data_wait_s if self._saw_loader else math.nan,
             "between_steps_s": t_fwd - prev if (t_fwd is not None and prev is not None) else math.nan,
             "forward_s": t_fwd_end - t_fwd if (t_fwd is not None and t_fwd_end is not None) else math.nan,
@@ -886,7 +754,7 @@ class Recorder:
         }
         if self._sched[3] is not None:
             rows.update(self._sched[3])
-        self._gc_s, self._gc_gen2, self._data_wait_s = 0.0, 0, 0.0
+        self._data_wait_s = 0.0
         self.writer.put(rows)
         if snapshot_task is not None:
             self.writer.put_task(snapshot_task)
@@ -924,42 +792,6 @@ class Recorder:
         mm = [torch.aminmax(g) for g in grads]
         pk.add("grad_min", [m[0] for m in mm])
         pk.add("grad_max", [m[1] for m in mm])
-
-    def _census(self, step: int, memory: int) -> tuple[int, int, int, list[dict]]:
-        """Live tensor census on a sparse schedule that keeps its cost near census_budget of
-        training (0.15%), and also when memory (CUDA allocated, else RSS) climbs to a new high: 10%
-        and 64 MiB above the highest a census saw, at least 10 steps after the last one. So the
-        trace knows what held the memory near its peak. Returns (live tensors, their bytes, how
-        many hold a graph, the largest groups), -1s and no groups on the steps without one."""
-        peak = (memory > 1.1 * self._census_peak and memory - self._census_peak > 64 * 2**20
-                and step - self._last_census >= 10)
-        self._at_peak = peak
-        if step < self._next_census and not peak:
-            return _NO_CENSUS
-        self._census_peak = max(self._census_peak, memory)
-        self._last_census = step
-        t0 = time.perf_counter()
-        n, nbytes, graphs, groups = tensor_census()
-        cost = time.perf_counter() - t0
-        self._next_census = max(self._next_census, step + self.planner.census_gap(cost))
-        return n, nbytes, graphs, groups
-
-    def _cuda_snapshot(self, step: int):
-        """A snapshot of the CUDA allocator on its schedule or at a memory peak (the census's
-        trigger), as a writer task; None on other steps."""
-        cm, cfg = self.cuda_memory, self.config
-        if cm is None or cm.n_snapshots - cm.n_oom_snapshots >= cfg.cuda_snapshot_max:
-            return None
-        first, every = cfg.cuda_snapshot_first, cfg.cuda_snapshot_every
-        scheduled = every > 0 and (step == first or (step > first and (step - first) % every == 0))
-        if not (scheduled or self._at_peak):
-            return None
-        try:
-            _, task = cm.take(step, "peak" if self._at_peak else "schedule")
-        except Exception as e:
-            self._cuda_memory_off(e)
-            return None
-        return task
 
     def _weights(self) -> list[torch.Tensor]:
         """The parameters' values (each rank's shard of a sharded one), detached."""
@@ -1009,10 +841,8 @@ class Recorder:
         if getattr(self, "profiler", None) is not None:
             self.profiler.abort()
         functional.detach(self)
-        if self._gc_callback is not None and self._gc_callback in gc.callbacks:
-            gc.callbacks.remove(self._gc_callback)
-        if getattr(self, "cuda_memory", None) is not None:
-            self.cuda_memory.stop()
+        if getattr(self, "memory", None) is not None:
+            self.memory.detach()
         if self.attention is not None:
             self.attention.remove()
         if self.watcher is not None:
@@ -1080,7 +910,7 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and is_out_of_memory(exc):
-            self._on_oom_exception(exc, tb)
+        if exc is not None and is_out_of_memory(exc) and self._active:
+            self.memory.on_oom_exception(self._step, self._device, exc, tb)
         self.close(reason="closed" if exc_type is None else f"exception: {exc_type.__name__}: {exc}"[:1000])
         return False

@@ -108,7 +108,7 @@ def test_snapshots_are_recorded_as_tables_and_export_to_the_memory_viewer(tmp_pa
     dev = torch.device("cuda")
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1)).to(dev)
     with Recorder(model, tmp_path, cuda_snapshot_first=2, cuda_snapshot_every=5, profile_steps=0) as rec:
-        assert rec.cuda_memory is not None and rec.cuda_memory.started_history
+        assert rec.memory.cuda is not None and rec.memory.cuda.started_history
         _train(model, rec, 12, dev)
     after = torch.cuda.memory._snapshot()  # the recorder stopped the history it started
     assert not any(after.get("device_traces") or [])
@@ -160,7 +160,7 @@ def test_a_history_the_job_started_is_kept(tmp_path):
     try:
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(dev)
         with Recorder(model, tmp_path, profile_steps=0) as rec:
-            assert rec.cuda_memory.user_history and not rec.cuda_memory.started_history
+            assert rec.memory.cuda.user_history and not rec.memory.cuda.started_history
             _train(model, rec, 3, dev)
         x = torch.ones(1000, device=dev)  # still recorded after the recorder closed
         assert any(e.get("action") == "alloc" for e in torch.cuda.memory._snapshot()["device_traces"][dev.index or 0])
