@@ -6,7 +6,6 @@ import atexit
 import datetime as _dt
 import json
 import math
-import operator
 import os
 import platform
 import signal
@@ -28,6 +27,7 @@ from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
 from .histograms import N_BINS, bin_edges, histogram, spread
+from .grad_norms import GradientNorms, add_grad_range, exact_overflowed_norms
 from .hooks import ModuleWatcher
 from .loss_graph import loss_ops, outputs_nonfinite
 from .memory import RSS_SOURCE
@@ -36,33 +36,13 @@ from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
 from .planner import StepPlanner
 from .schedule import OptimizerSchedule
-from .stats import Packer, l2_norm_values, l2_norms, takes_dots
+from .stats import Packer, l2_norms
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
 _MAX_SUMMARY_CHARS = 65536
-# Per-parameter reads done by map() in C: right after a training step each line of Python runs
-# cold, and a generator over the parameters costs several us more than these (measured).
-_VERSION = operator.attrgetter("_version")
-_PARAMS = operator.itemgetter("params")
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
 MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters
-
-
-def _exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
-    """Recompute in float64 the float32 norms that overflowed to Inf while every element was finite.
-
-    Rare (elements above ~1e19): costs a second transfer on that step only.
-    """
-    if np.isfinite(norms).all():
-        return norms
-    over = [j for j in range(len(norms)) if np.isinf(norms[j]) and (absmax is None or np.isfinite(absmax[j]))]
-    if not over:
-        return norms
-    exact = torch.stack([torch.linalg.vector_norm(tensors[j], 2, dtype=torch.float64) for j in over])
-    norms = norms.copy()
-    norms[over] = exact.cpu().numpy()
-    return norms
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -120,15 +100,8 @@ class Recorder:
         self.samples = None
         self.blackbox = None
         self._opt_hook = None
-        # The gradient norms the optimizer step pre-hook computed this step, one entry per
-        # optimizer step: (param indices, gradients, their versions, norms, all finite).
-        self._norms: list[tuple[list[int], list, list[int], list[float], bool]] = []
-        # id(optimizer) -> (weakref to it, (groups, params), param indices, params)
-        self._opt_params: dict[int, tuple] = {}
-        self._all_index: list[int] = []  # range(n_params), the indices of an optimizer of them all
         self._last_snapshot = -1
         self._loss_given = False
-        self._saw_optimizer = False  # an optimizer step of this model's parameters was seen
         # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
         # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
         self._watched = False
@@ -144,7 +117,8 @@ class Recorder:
         self._sharded = any(map(sharding.is_sharded, self._params))
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self._all_index = list(range(len(self._params)))
+        # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
+        self.norms = GradientNorms(self._params, self._grad_of)
         self._param_name_by_id = {id(p): n for n, p in named}
         self._unmeasured = np.full(len(self._params), -1.0)  # "not measured" row
         self._no_bad_grads = np.zeros(len(self._params), dtype=np.int64)
@@ -271,7 +245,6 @@ class Recorder:
             self.watcher.sample_modules = {i: names[i] for i in chosen}
         if cfg.blackbox:
             self.blackbox = BlackBox(self.model, self._fail)
-            self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in _norms)
             self._opt_hook = optimizer_hooks.on_pre_step(self._pre_optimizer_step)
 
     def _snapshot(self, step: int) -> None:
@@ -304,45 +277,8 @@ class Recorder:
         if not self._active or self.blackbox is None or not self.blackbox.armed:
             return None
         try:
-            index, params, dots = self._optimized(optimizer)
-            if not params:
-                return None  # not an optimizer of the watched model
-            grads = list(map(self._grad_of, params))
-            seen = self._handled_at.get(id(optimizer))
-            if seen is not None and seen[0] == self._step and seen[1] < len(self._norms):
-                # Judged already this step: nothing new to see unless the gradients changed
-                # since (other tensors, or written in place: a closure's backward run again).
-                _, judged, versions = self._norms[seen[1]][:3]
-                kept = [g for g in grads if g is not None and not g.is_sparse]
-                if (len(kept) == len(judged) and all(map(operator.is_, kept, judged))
-                        and list(map(_VERSION, kept)) == versions):
-                    return None
-            # One host sync, here rather than at rec.step(). No no_grad() (~15 us): gradients
-            # made with backward(create_graph=True) give a norm that records a graph node,
-            # dropped with it at once. Each check of the gradients is a pass over them, a few
-            # us cold: the common case (every one dense) is tried first, on the path chosen
-            # for the optimizer's parameters.
-            try:
-                values = l2_norm_values(grads, dots)
-            except (AttributeError, TypeError, RuntimeError):  # frozen (None) or sparse ones: left out
-                kept = [k for k, g in enumerate(grads) if g is not None and not g.is_sparse]
-                index, grads = [index[k] for k in kept], [grads[k] for k in kept]
-                values = l2_norm_values(grads)
-            if not grads:
-                return None  # no gradients (yet)
-            self._saw_optimizer = True
-            # (plain Python: right after a training step a numpy call costs ~50 us, measured;
-            # norms are >= 0 and below ~2e19, so their sum is finite exactly when each is)
-            finite = math.isfinite(sum(values))
-            self._norms.append((index, grads, list(map(_VERSION, grads)), values, finite))
-            self._handled_at[id(optimizer)] = (self._step, len(self._norms) - 1)
-            if finite:
-                return None
-            with torch.no_grad():
-                # Rare from here on. A finite gradient whose float32 norm overflowed is not a
-                # failure: each gradient is checked.
-                bad = [i for i, g in zip(index, grads) if not bool(torch.isfinite(g).all())]
-            if bad:
+            bad = self.norms.judge(optimizer, self._step)
+            if bad:  # NaN/Inf gradients, not yet applied: the black box now
                 names = [self._param_names[i] for i in bad]
                 extra = {"n_params_affected": len(names), **self._replay()}
                 self._fire(self.blackbox.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
@@ -350,52 +286,6 @@ class Recorder:
         except Exception as e:
             self._fail(e)
         return None
-
-    def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor], bool]:
-        """(indices, parameters, whether their gradients' norms take dots: stats.takes_dots) of
-        the watched model's parameters in an optimizer's groups; found once per optimizer and
-        again when its groups change. An optimizer of every parameter, in the model's order,
-        gets self._all_index itself (see _cached_norms).
-        Kept by id(), the optimizer checked through a weak reference: a WeakKeyDictionary's
-        lookup (a weakref made in Python per call) cost ~15 us a step, cold (measured)."""
-        groups = optimizer.param_groups
-        key = (len(groups), sum(map(len, map(_PARAMS, groups))))
-        hit = self._opt_params.get(id(optimizer))
-        if hit is None or hit[1] != key or hit[0]() is not optimizer:
-            pairs = [(i, p) for g in groups for p in g["params"] if (i := self._param_index.get(id(p))) is not None]
-            index = [i for i, _ in pairs]
-            params = [p for _, p in pairs]
-            hit = (weakref.ref(optimizer), key, self._all_index if index == self._all_index else index,
-                   params, takes_dots(params))  # (a gradient has its parameter's size, dtype, device)
-            self._opt_params[id(optimizer)] = hit
-        return hit[2], hit[3], hit[4]
-
-    def _cached_norms(self) -> list[float] | None:
-        """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
-        step (NaN for a parameter without a gradient), or None if a gradient was not seen there
-        (another optimizer, none), has been replaced or changed in place since, or one is NaN or
-        Inf (a bad step: measured in full)."""
-        entries = self._norms
-        if not entries:
-            return None
-        now = list(map(self._grad_of, self._params))
-        if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
-            _, grads, versions, values, finite = entries[0]
-            ok = finite and all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
-            return values if ok else None
-        norms, seen = [math.nan] * len(now), [False] * len(now)
-        for index, grads, versions, values, finite in entries:
-            if not finite:
-                return None
-            if list(map(_VERSION, grads)) != versions:
-                return None
-            for i, g, v in zip(index, grads, values):
-                if now[i] is not g:
-                    return None
-                norms[i], seen[i] = v, True
-        if any(g is not None and not s and not g.is_sparse for g, s in zip(now, seen)):
-            return None
-        return norms
 
     def _replay(self) -> dict:
         """On a step that was not watched, find where its NaN/Inf was born by running its forward
@@ -484,7 +374,7 @@ class Recorder:
                     self._record_step(loss, t_called)
             except Exception as e:
                 self._fail(e)
-            self._norms = []
+            self.norms.entries = []
         if self._active:
             w = self.watcher
             self.planner.after_step(self._step, self._watched, w.sample_activations, w.sample_histograms)
@@ -510,7 +400,7 @@ class Recorder:
         if (self._watched or self.profiler.prof is not None or step == next_update
                 or step + 1 == next_update or step >= self.activity.last_step):  # (window_ends)
             return False
-        norms = self._cached_norms()
+        norms = self.norms.cached()
         if norms is None:
             return False
         if isinstance(loss, torch.Tensor):
@@ -544,13 +434,13 @@ class Recorder:
             # above float32's range shows as Inf and is recomputed in float64 below.
             cached = None  # the norms the optimizer step pre-hook computed, if it saw every gradient
             if present:
-                seen = self._cached_norms()
+                seen = self.norms.cached()
                 if seen is not None:
                     cached = np.array([seen[i] for i in has])
                 else:
                     pk.add("grad_norm", l2_norms(present))
                 if watched:
-                    self._add_grad_range(pk, present)
+                    add_grad_range(pk, present)
             # Weight norms on watched steps, and on the step before an update ratio (its
             # ||w_before||); other steps write -1 (not measured) unless they go bad.
             plan = self.planner
@@ -603,7 +493,7 @@ class Recorder:
             if bad_step and not watched:
                 extra = Packer()
                 if present:
-                    self._add_grad_range(extra, present)
+                    add_grad_range(extra, present)
                 if self._params and "param_norm" not in host:
                     weights = self._weights()
                     extra.add("param_norm", l2_norms(weights))
@@ -622,14 +512,14 @@ class Recorder:
                         counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
                         grad_bad = np.zeros(n_params, dtype=np.int64)
                         grad_bad[[has[j] for j in bad]] = counts
-                    g_norm = _exact_overflowed_norms(g_norm, g_absmax, present)
+                    g_norm = exact_overflowed_norms(g_norm, g_absmax, present)
                 if len(has) == n_params:
                     grad_norm = g_norm
                 else:
                     grad_norm[has] = g_norm
                 if g_absmax is not None:
                     grad_absmax[has] = g_absmax
-            param_norm = _exact_overflowed_norms(host["param_norm"], None, weights) if "param_norm" in host else None
+            param_norm = exact_overflowed_norms(host["param_norm"], None, weights) if "param_norm" in host else None
 
             # Weights to compare the next sampled update against: taken after this update, with
             # their norms (measured on this step: ||w_before|| of the next).
@@ -774,7 +664,7 @@ class Recorder:
                 # Once an optimizer step of this model was seen, its pre-hook judges the
                 # gradients: NaN/Inf gradients it never saw were not applied (AMP's
                 # GradScaler skips such steps), and are no reason to fire.
-                "grad_nonfinite" if (grad_bad > 0).any() and not self._saw_optimizer
+                "grad_nonfinite" if (grad_bad > 0).any() and not self.norms.saw_optimizer
                 and not self.schedule.scaler_skipped() else
                 "activation_nonfinite" if mods["origin"] >= 0 else
                 "input_nonfinite" if mods["batch_nonfinite"] else None)
@@ -784,14 +674,6 @@ class Recorder:
         if isinstance(loss, torch.Tensor):
             return float(host["loss"][0]) if host["loss"].size else float("nan")
         return float("nan") if loss is None else float(loss)
-
-    @staticmethod
-    def _add_grad_range(pk: Packer, grads: list) -> None:
-        """min and max of each gradient (max|g| and whether it holds NaN/Inf): aminmax per tensor,
-        as _foreach_norm(ord=inf) is 18x slower on CPU (measured)."""
-        mm = [torch.aminmax(g) for g in grads]
-        pk.add("grad_min", [m[0] for m in mm])
-        pk.add("grad_max", [m[1] for m in mm])
 
     def _weights(self) -> list[torch.Tensor]:
         """The parameters' values (each rank's shard of a sharded one), detached."""

@@ -1,0 +1,149 @@
+"""The gradient norms of every step, taken in an optimizer step pre-hook (optimizer_hooks.py):
+after the backward, before the update. There one host sync gives each parameter's gradient norm,
+which rec.step() reuses on plain steps (if the gradients were not replaced or written since), and
+a NaN/Inf among them is seen while the parameters are still those the bad step started from (the
+black box fires then: recorder.before_optimizer_step)."""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+
+import numpy as np
+import torch
+
+from .stats import Packer, l2_norm_values, takes_dots
+
+# Per-parameter reads done by map() in C: right after a training step each line of Python runs
+# cold, and a generator over the parameters costs several us more than these (measured).
+_VERSION = operator.attrgetter("_version")
+_PARAMS = operator.itemgetter("params")
+
+
+class GradientNorms:
+    def __init__(self, params: list, grad_of):
+        self._params = params
+        self._grad_of = grad_of  # a parameter's gradient (its local shard under FSDP2: sharding.py)
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._all_index = list(range(len(params)))  # the indices of an optimizer of them all
+        # This step's norms, one entry per optimizer step: (param indices, gradients, their
+        # versions, norms, all finite).
+        self.entries: list[tuple[list[int], list, list[int], list[float], bool]] = []
+        # id(optimizer) -> (weakref to it, (groups, params), param indices, params, dots)
+        self._opt_params: dict[int, tuple] = {}
+        self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in entries)
+        self.saw_optimizer = False  # an optimizer step of the model's parameters was seen
+
+    def judge(self, optimizer, step: int) -> list[int] | None:
+        """Take the norms of the gradients of ``optimizer``'s parameters of the model (one host
+        sync); the indices of those holding NaN/Inf (an empty list: all finite), or None if it
+        is no optimizer of the model, they have no gradients yet, or they were judged already
+        this step and not changed since."""
+        index, params, dots = self._optimized(optimizer)
+        if not params:
+            return None  # not an optimizer of the watched model
+        grads = list(map(self._grad_of, params))
+        seen = self._handled_at.get(id(optimizer))
+        if seen is not None and seen[0] == step and seen[1] < len(self.entries):
+            # Judged already this step: nothing new to see unless the gradients changed
+            # since (other tensors, or written in place: a closure's backward run again).
+            _, judged, versions = self.entries[seen[1]][:3]
+            kept = [g for g in grads if g is not None and not g.is_sparse]
+            if (len(kept) == len(judged) and all(map(operator.is_, kept, judged))
+                    and list(map(_VERSION, kept)) == versions):
+                return None
+        # No no_grad() (~15 us): gradients made with backward(create_graph=True) give a norm
+        # that records a graph node, dropped with it at once. Each check of the gradients is a
+        # pass over them, a few us cold: the common case (every one dense) is tried first, on
+        # the path chosen for the optimizer's parameters.
+        try:
+            values = l2_norm_values(grads, dots)
+        except (AttributeError, TypeError, RuntimeError):  # frozen (None) or sparse ones: left out
+            kept = [k for k, g in enumerate(grads) if g is not None and not g.is_sparse]
+            index, grads = [index[k] for k in kept], [grads[k] for k in kept]
+            values = l2_norm_values(grads)
+        if not grads:
+            return None  # no gradients (yet)
+        self.saw_optimizer = True
+        # (plain Python: right after a training step a numpy call costs ~50 us, measured;
+        # norms are >= 0 and below ~2e19, so their sum is finite exactly when each is)
+        finite = math.isfinite(sum(values))
+        self.entries.append((index, grads, list(map(_VERSION, grads)), values, finite))
+        self._handled_at[id(optimizer)] = (step, len(self.entries) - 1)
+        if finite:
+            return []
+        with torch.no_grad():
+            # Rare from here on. A finite gradient whose float32 norm overflowed is not a
+            # failure: each gradient is checked.
+            return [i for i, g in zip(index, grads) if not bool(torch.isfinite(g).all())]
+
+    def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor], bool]:
+        """(indices, parameters, whether their gradients' norms take dots: stats.takes_dots) of
+        the watched model's parameters in an optimizer's groups; found once per optimizer and
+        again when its groups change. An optimizer of every parameter, in the model's order,
+        gets self._all_index itself (see cached).
+        Kept by id(), the optimizer checked through a weak reference: a WeakKeyDictionary's
+        lookup (a weakref made in Python per call) cost ~15 us a step, cold (measured)."""
+        groups = optimizer.param_groups
+        key = (len(groups), sum(map(len, map(_PARAMS, groups))))
+        hit = self._opt_params.get(id(optimizer))
+        if hit is None or hit[1] != key or hit[0]() is not optimizer:
+            pairs = [(i, p) for g in groups for p in g["params"] if (i := self._param_index.get(id(p))) is not None]
+            index = [i for i, _ in pairs]
+            params = [p for _, p in pairs]
+            hit = (weakref.ref(optimizer), key, self._all_index if index == self._all_index else index,
+                   params, takes_dots(params))  # (a gradient has its parameter's size, dtype, device)
+            self._opt_params[id(optimizer)] = hit
+        return hit[2], hit[3], hit[4]
+
+    def cached(self) -> list[float] | None:
+        """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
+        step (NaN for a parameter without a gradient), or None if a gradient was not seen there
+        (another optimizer, none), has been replaced or changed in place since, or one is NaN or
+        Inf (a bad step: measured in full)."""
+        entries = self.entries
+        if not entries:
+            return None
+        now = list(map(self._grad_of, self._params))
+        if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
+            _, grads, versions, values, finite = entries[0]
+            ok = finite and all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions
+            return values if ok else None
+        norms, seen = [math.nan] * len(now), [False] * len(now)
+        for index, grads, versions, values, finite in entries:
+            if not finite:
+                return None
+            if list(map(_VERSION, grads)) != versions:
+                return None
+            for i, g, v in zip(index, grads, values):
+                if now[i] is not g:
+                    return None
+                norms[i], seen[i] = v, True
+        if any(g is not None and not s and not g.is_sparse for g, s in zip(now, seen)):
+            return None
+        return norms
+
+
+def exact_overflowed_norms(norms: np.ndarray, absmax, tensors) -> np.ndarray:
+    """Recompute in float64 the float32 norms that overflowed to Inf while every element was finite.
+
+    Rare (elements above ~1e19): costs a second transfer on that step only.
+    """
+    if np.isfinite(norms).all():
+        return norms
+    over = [j for j in range(len(norms)) if np.isinf(norms[j]) and (absmax is None or np.isfinite(absmax[j]))]
+    if not over:
+        return norms
+    exact = torch.stack([torch.linalg.vector_norm(tensors[j], 2, dtype=torch.float64) for j in over])
+    norms = norms.copy()
+    norms[over] = exact.cpu().numpy()
+    return norms
+
+
+def add_grad_range(pk: Packer, grads: list) -> None:
+    """min and max of each gradient (max|g| and whether it holds NaN/Inf): aminmax per tensor,
+    as _foreach_norm(ord=inf) is 18x slower on CPU (measured)."""
+    mm = [torch.aminmax(g) for g in grads]
+    pk.add("grad_min", [m[0] for m in mm])
+    pk.add("grad_max", [m[1] for m in mm])
