@@ -26,9 +26,10 @@ from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
-from .histograms import N_BINS, bin_edges, histogram, spread
-from .grad_norms import GradientNorms, add_grad_range, exact_overflowed_norms
+from .histograms import N_BINS, bin_edges, spread
+from .grad_norms import GradientNorms
 from .hooks import ModuleWatcher
+from .param_stats import ParamStats
 from .loss_graph import loss_ops, outputs_nonfinite
 from .memory import RSS_SOURCE
 from .memory_probe import MemoryProbe
@@ -36,7 +37,7 @@ from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
 from .planner import StepPlanner
 from .schedule import OptimizerSchedule
-from .stats import Packer, l2_norms
+from .stats import Packer
 from .tensors import BlackBox, Samples, Snapshots
 from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
 
@@ -114,15 +115,11 @@ class Recorder:
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         # FSDP2 (DTensor) parameters are measured by their local shard: no collective (sharding.py).
-        self._sharded = any(map(sharding.is_sharded, self._params))
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
         self.norms = GradientNorms(self._params, self._grad_of)
         self._param_name_by_id = {id(p): n for n, p in named}
-        self._unmeasured = np.full(len(self._params), -1.0)  # "not measured" row
-        self._no_bad_grads = np.zeros(len(self._params), dtype=np.int64)
-        self._unmeasured.flags.writeable = self._no_bad_grads.flags.writeable = False
         if self.config.sample_modules is not None:
             known = {n for n, _ in model.named_modules()}
             unknown = [m for m in self.config.sample_modules if m not in known]
@@ -138,11 +135,8 @@ class Recorder:
         except Exception as e:
             self._fail(e)
             return
-        # The weights as they were one step before a sampled update ratio, in buffers allocated
-        # once (a fresh 8 MB copy every 10 steps page-faulted: 2.7 ms on the MLP, measured).
-        self._w_buf: list[torch.Tensor] = []
-        self._prev_weights = self._copy_weights() if self._params else None
-        self._prev_norm = None  # ||_prev_weights|| per tensor, when measured as they were taken
+        # Gradient and weight norms, update ratios, parameter histograms (param_stats.py).
+        self.param_stats = ParamStats(self._params, self._grad_of, self.norms, self.planner, self._hist_params)
         self._install_signal_handlers()
         atexit.register(self._atexit)
 
@@ -413,9 +407,10 @@ class Recorder:
             return False  # a bad step is measured in full
         self._loss_given = loss is not None
         mods = self._unwatched  # (no module hooked: nothing to finish)
+        ps = self.param_stats
         self._write_step(step, t_called, loss_value, mods, {
-            "params": {"grad_norm": norms, "grad_absmax": self._unmeasured, "grad_nonfinite": self._no_bad_grads,
-                       "param_norm": self._unmeasured},
+            "params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
+                       "param_norm": ps.unmeasured},
             "modules": {"output_absmax": mods["output_absmax"]}})
         self._end_step(step)
         return True
@@ -425,50 +420,10 @@ class Recorder:
         watched = self._watched
         if watched and self.blackbox is not None:
             self.blackbox.check_rng()
+        ps = self.param_stats
         pk = Packer()
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
-            grads = list(map(self._grad_of, self._params))
-            has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
-            present = [grads[i] for i in has]
-            # float32 norms (a float64 accumulation costs 13x on CPU, measured); a finite norm
-            # above float32's range shows as Inf and is recomputed in float64 below.
-            cached = None  # the norms the optimizer step pre-hook computed, if it saw every gradient
-            if present:
-                seen = self.norms.cached()
-                if seen is not None:
-                    cached = np.array([seen[i] for i in has])
-                else:
-                    pk.add("grad_norm", l2_norms(present))
-                if watched:
-                    add_grad_range(pk, present)
-            # Weight norms on watched steps, and on the step before an update ratio (its
-            # ||w_before||); other steps write -1 (not measured) unless they go bad.
-            plan = self.planner
-            if step == plan.next_update:  # a sample: plan the next now, its copy may be due at once
-                plan.sample_update(step)
-            measure_w = watched or step + 1 == plan.next_update
-            do_update = self._prev_weights is not None and step == plan.sampled_step
-            update_den = None
-            weights = self._weights() if measure_w or do_update else None
-            if weights:
-                if measure_w:
-                    pk.add("param_norm", l2_norms(weights))
-                # The model may have moved (model.to(device), .half()) since the copy was taken.
-                do_update = (do_update and self._prev_weights[0].device == weights[0].device
-                             and self._prev_weights[0].dtype == weights[0].dtype)
-                if do_update:
-                    update_den = self._prev_norm
-                    if update_den is None:  # (the copy taken at the start)
-                        pk.add("update_den", l2_norms(self._prev_weights))
-                    # In place: the buffers become w_before - w_after.
-                    torch._foreach_sub_(self._prev_weights, weights)
-                    pk.add("update_num", l2_norms(self._prev_weights))
-            hist = self.watcher.sample_histograms and bool(self._hist_params)
-            if hist:
-                pk.add("hist_w", [histogram(sharding.local(self._params[i])) for i in self._hist_params])
-                pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
-                                  else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
-                                  for i in self._hist_params])
+            ps.pack(pk, step, watched, self.watcher.sample_histograms)
             self.watcher.pack(pk)
             window_ends = self.activity.window_ends(step)
             if window_ends:
@@ -480,54 +435,15 @@ class Recorder:
                 else:
                     pk.add("loss", loss.detach().reshape(-1)[:1])
             host = pk.fetch()
-            if cached is not None:
-                host["grad_norm"] = cached
+            grads_bad = ps.grads_nonfinite(host)
             if not isinstance(loss, torch.Tensor) or "loss" in host:
                 loss_value = self._loss_value(loss, host)
-
-            n_params = len(self._params)
             # A step whose loss or gradients went NaN/Inf is measured in full, watched or not (a
             # second transfer, on that step only).
-            bad_step = (loss is not None and not np.isfinite(loss_value)) or (
-                bool(present) and not np.isfinite(host["grad_norm"]).all())
+            bad_step = (loss is not None and not np.isfinite(loss_value)) or grads_bad
             if bad_step and not watched:
-                extra = Packer()
-                if present:
-                    add_grad_range(extra, present)
-                if self._params and "param_norm" not in host:
-                    weights = self._weights()
-                    extra.add("param_norm", l2_norms(weights))
-                host.update(extra.fetch())
-            grad_norm = None if present and len(has) == n_params else np.full(n_params, np.nan)
-            grad_absmax = np.full(n_params, np.nan) if watched or bad_step else None  # None: not measured
-            grad_bad = self._no_bad_grads  # exact NaN/Inf element counts (a shared row of zeros)
-            if present:
-                g_norm = host["grad_norm"]
-                g_absmax = np.maximum(np.abs(host["grad_min"]), np.abs(host["grad_max"])) if "grad_min" in host else None
-                if bad_step or watched:
-                    # Only a non-finite max|g| (or norm: a float32 norm may also overflow) can
-                    # hide a NaN/Inf.
-                    bad = np.flatnonzero(~np.isfinite(g_norm if g_absmax is None else g_absmax)).tolist()
-                    if bad:  # rare: count exactly, at the cost of another transfer on this step only
-                        counts = torch.stack([(~torch.isfinite(present[j])).sum() for j in bad]).cpu().numpy()
-                        grad_bad = np.zeros(n_params, dtype=np.int64)
-                        grad_bad[[has[j] for j in bad]] = counts
-                    g_norm = exact_overflowed_norms(g_norm, g_absmax, present)
-                if len(has) == n_params:
-                    grad_norm = g_norm
-                else:
-                    grad_norm[has] = g_norm
-                if g_absmax is not None:
-                    grad_absmax[has] = g_absmax
-            param_norm = exact_overflowed_norms(host["param_norm"], None, weights) if "param_norm" in host else None
-
-            # Weights to compare the next sampled update against: taken after this update, with
-            # their norms (measured on this step: ||w_before|| of the next).
-            if self._params and step + 1 == plan.next_update:
-                self._prev_weights = self._copy_weights()
-                self._prev_norm = param_norm
-            elif self._params and step == plan.sampled_step:
-                self._prev_weights = self._prev_norm = None
+                ps.measure_bad(host)
+            param_row, grad_bad = ps.finish(host, step, watched or bad_step)
 
         hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
         mods = self.watcher.finish_step(host, len(self.watcher.names))
@@ -554,30 +470,14 @@ class Recorder:
             rows["loss_checks"] = [{"step": step, "outputs_nonfinite": outputs_nonfinite(self.watcher.out_refs),
                                     "ops": json.dumps(ops)}]
         rows.update({
-            # float64 and int64 here: the writer thread stores them as float32/int32 (saturating)
-            "params": {
-                "grad_norm": grad_norm,
-                # -1: not measured on this step (one shared read-only row)
-                "grad_absmax": self._unmeasured if grad_absmax is None else grad_absmax,
-                "grad_nonfinite": grad_bad,
-                "param_norm": self._unmeasured if param_norm is None else param_norm,
-            },
+            "params": param_row,
             "modules": {"output_absmax": mods["output_absmax"]},
         })
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
-        if "update_num" in host:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = host["update_num"] / (host["update_den"] if "update_den" in host else update_den)
-            rows["updates"] = {"step": step, "ratio": ratio}
+        rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
         if window_ends:
             rows["activity"] = self.activity.finish_window(step, host)
-        if hist_act is not None:
-            nh = len(self._hist_params)
-            w = host["hist_w"].reshape(nh, N_BINS) if hist else np.zeros((0, N_BINS))
-            g = host["hist_g"].reshape(nh, N_BINS) if hist else np.zeros((0, N_BINS))
-            rows["histograms"] = {"step": step, **{k: np.minimum(v, 2**31 - 1).astype(np.int32).reshape(-1)
-                                                    for k, v in (("weight", w), ("grad", g), ("activation", hist_act))}}
         attn = self.attention.finish_step(step, host)
         if attn is not None:
             rows["attention"] = attn
@@ -675,23 +575,6 @@ class Recorder:
             return float(host["loss"][0]) if host["loss"].size else float("nan")
         return float("nan") if loss is None else float(loss)
 
-    def _weights(self) -> list[torch.Tensor]:
-        """The parameters' values (each rank's shard of a sharded one), detached."""
-        if self._sharded:
-            return [sharding.local(p.detach()) for p in self._params]
-        return [p.detach() for p in self._params]
-
-    def _copy_weights(self) -> list[torch.Tensor]:
-        """The weights now, copied into _w_buf (allocated again only if the model moved)."""
-        with torch.no_grad():
-            weights = self._weights()
-            buf = self._w_buf
-            if len(buf) != len(weights) or any(b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
-                                               for b, w in zip(buf, weights)):
-                self._w_buf = buf = [torch.empty_like(w) for w in weights]
-            torch._foreach_copy_(buf, weights)
-            return buf
-
     # -- errors and shutdown ------------------------------------------------------------------
     def _fail(self, e: BaseException) -> None:
         """Warn once, unhook, stop recording; never raise into the training job."""
@@ -779,8 +662,8 @@ class Recorder:
                     **({"snapshot_note": self.snapshots.skipped} if self.snapshots and self.snapshots.skipped else {}),
                     **(self.profiler.note() if self.profiler is not None else {}),
                 })
-            self._prev_weights = None
-            self._w_buf = []
+            if getattr(self, "param_stats", None) is not None:
+                self.param_stats.release()
             if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():
                 if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                     signal.signal(signal.SIGTERM, self._prev_sigterm)
