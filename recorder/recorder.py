@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
-import datetime as _dt
 import json
 import math
 import os
-import platform
-import signal
-import socket
-import sys
 import threading
 import time
 import warnings
@@ -20,28 +14,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import __version__  # the package's one version string (api/__init__.py)
 from . import functional
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
-from .histograms import N_BINS, bin_edges, spread
+from .histograms import N_BINS, spread
+from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
 from .hooks import ModuleWatcher
 from .param_stats import ParamStats
 from .loss_graph import loss_ops, outputs_nonfinite
-from .memory import RSS_SOURCE
 from .memory_probe import MemoryProbe
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
 from .planner import StepPlanner
 from .schedule import OptimizerSchedule
 from .stats import Packer
+from .trace_header import trace_header
 from .tensors import BlackBox, Samples, Snapshots
-from .writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
+from .writer import TraceWriter, table_layout
 
-_MAX_SUMMARY_CHARS = 65536
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
 MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters
 
@@ -137,51 +130,13 @@ class Recorder:
             return
         # Gradient and weight norms, update ratios, parameter histograms (param_stats.py).
         self.param_stats = ParamStats(self._params, self._grad_of, self.norms, self.planner, self._hist_params)
-        self._install_signal_handlers()
-        atexit.register(self._atexit)
+        self._exit = ExitHooks(self)  # SIGTERM and the interpreter's exit close the trace
 
     # -- setup --------------------------------------------------------------------------------
     def _open(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         self.watcher = ModuleWatcher(self.model, self._fail)
         n_params, n_modules = len(self._params), len(self.watcher.names)
-        now = time.time()
-        attrs = {
-            "format": FORMAT_NAME,
-            "schema_version": SCHEMA_VERSION,
-            "created_by": f"torchautopsy {__version__}",
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "start_time": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(timespec="seconds"),
-            "start_unix": now,
-            "device": str(self._device),
-            "rss_source": RSS_SOURCE,  # how steps/rss_bytes was read here (memory.py): "statm" is Linux's
-            "model_class": type(self.model).__name__,
-            "model_summary": str(self.model)[:_MAX_SUMMARY_CHARS],
-            "n_parameters": int(sum(p.numel() for p in self._params)),
-            "config": json.dumps(self.config.as_dict(), sort_keys=True),
-            "command": " ".join(sys.argv)[:4096],
-            "closed": False,
-        }
-        static = {  # name: (values, dtype)
-            "params": {
-                "name": (self._param_names, "str"),
-                "shape": ([json.dumps(list(p.shape)) for p in self._params], "str"),
-                "numel": ([int(p.numel()) for p in self._params], "i8"),
-                "dtype": ([str(p.dtype).replace("torch.", "") for p in self._params], "str"),
-                # >1: a sharded (FSDP2) parameter, measured by this rank's shard (sharding.py)
-                "shards": ([sharding.shards(p) for p in self._params], "i8"),
-            },
-            "modules": {
-                "name": (self.watcher.names, "str"),
-                "type": (self.watcher.types, "str"),
-                "is_leaf": ([int(x) for x in self.watcher.is_leaf], "i8"),
-            },
-        }
         cfg = self.config
         # Histograms: every parameter and leaf module, or an even spread of at most
         # histogram_max_tensors of each over the model's depth.
@@ -189,10 +144,8 @@ class Recorder:
         leaves = [i for i, leaf in enumerate(self.watcher.is_leaf) if leaf and i > 0 or n_modules == 1]
         hist_modules = [leaves[k] for k in spread(len(leaves), cfg.histogram_max_tensors)] if cfg.histogram_every else []
         self.watcher.hist_modules = {m: k for k, m in enumerate(hist_modules)}
-        lower, upper = bin_edges()
-        static["histogram_bins"] = {"lower": (lower, "f8"), "upper": (upper, "f8")}
-        static["histogram_params"] = {"param": (self._hist_params, "i8")}
-        static["histogram_modules"] = {"module": (hist_modules, "i8")}
+        attrs, static = trace_header(self.model, self._param_names, self._params, self.watcher, cfg,
+                                     self.rank, self.world_size, self._device, self._hist_params, hist_modules)
         self.writer = TraceWriter(
             self.path, attrs, static,
             table_layout(n_params, n_modules, len(self._hist_params), len(hist_modules), N_BINS),
@@ -293,34 +246,6 @@ class Recorder:
         """Write the black box now, and wait for it to be on disk: the job may die next."""
         self.writer.put_task(task, timeout=30.0)
         self.writer.flush(timeout=120.0)
-
-    def _install_signal_handlers(self) -> None:
-        if not self.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            self._prev_sigterm = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except (ValueError, OSError):  # not in the main interpreter thread, or no signals here
-            pass
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.close(reason="sigterm")
-        prev = getattr(self, "_prev_sigterm", signal.SIG_DFL)
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:  # default action: die by SIGTERM, as without us
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def _atexit(self) -> None:
-        # A job that dies of an uncaught error without `with Recorder(...)`: the interpreter has
-        # set sys.last_value (3.12+: sys.last_exc) before it runs atexit handlers. Not in an
-        # interactive session, where it may be an old error the session went on after.
-        interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
-        exc = None if interactive else (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
-        if exc is not None and is_out_of_memory(exc) and self._active:
-            self.memory.on_oom_exception(self._step, self._device, exc, exc.__traceback__)
-        self.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
     def _set_schedule(self, step: int) -> None:
         """Tell the hooks what the coming step records, and hook every module if it records
@@ -664,18 +589,21 @@ class Recorder:
                 })
             if getattr(self, "param_stats", None) is not None:
                 self.param_stats.release()
-            if hasattr(self, "_prev_sigterm") and threading.current_thread() is threading.main_thread():
-                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                    signal.signal(signal.SIGTERM, self._prev_sigterm)
         except Exception as e:
             warnings.warn(f"torchautopsy: closing the trace failed ({e!r})", RuntimeWarning, stacklevel=2)
-        atexit.unregister(self._atexit)
+        if getattr(self, "_exit", None) is not None:
+            self._exit.remove()
 
     def __enter__(self) -> "Recorder":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and is_out_of_memory(exc) and self._active:
-            self.memory.on_oom_exception(self._step, self._device, exc, tb)
+        if exc is not None:
+            self._on_error_leaving(exc, tb)
         self.close(reason="closed" if exc_type is None else f"exception: {exc_type.__name__}: {exc}"[:1000])
         return False
+
+    def _on_error_leaving(self, exc: BaseException, tb) -> None:
+        """An error ends the job: if it is out of memory, record what held the memory."""
+        if is_out_of_memory(exc) and self._active:
+            self.memory.on_oom_exception(self._step, self._device, exc, tb)

@@ -1,0 +1,70 @@
+"""What a trace says of itself before its first step: the root attributes (format, versions,
+host, rank, model, config, command) and the static tables (parameters, modules, histogram bins
+and which tensors get histograms), as docs/trace_format.md describes them."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import sys
+import time
+
+import torch
+
+from .. import __version__  # the package's one version string (api/__init__.py)
+from . import sharding
+from .histograms import bin_edges
+from .memory import RSS_SOURCE
+from .writer import FORMAT_NAME, SCHEMA_VERSION
+
+_MAX_SUMMARY_CHARS = 65536
+
+
+def trace_header(model, param_names: list[str], params: list, watcher, config, rank: int, world_size: int,
+                 device, hist_params: list[int], hist_modules: list[int]) -> tuple[dict, dict]:
+    """(root attributes, static tables {group: {name: (values, dtype)}}) of a new trace."""
+    now = time.time()
+    attrs = {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "created_by": f"torchautopsy {__version__}",
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "world_size": world_size,
+        "start_time": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(timespec="seconds"),
+        "start_unix": now,
+        "device": str(device),
+        "rss_source": RSS_SOURCE,  # how steps/rss_bytes was read here (memory.py): "statm" is Linux's
+        "model_class": type(model).__name__,
+        "model_summary": str(model)[:_MAX_SUMMARY_CHARS],
+        "n_parameters": int(sum(p.numel() for p in params)),
+        "config": json.dumps(config.as_dict(), sort_keys=True),
+        "command": " ".join(sys.argv)[:4096],
+        "closed": False,
+    }
+    static = {  # name: (values, dtype)
+        "params": {
+            "name": (param_names, "str"),
+            "shape": ([json.dumps(list(p.shape)) for p in params], "str"),
+            "numel": ([int(p.numel()) for p in params], "i8"),
+            "dtype": ([str(p.dtype).replace("torch.", "") for p in params], "str"),
+            # >1: a sharded (FSDP2) parameter, measured by this rank's shard (sharding.py)
+            "shards": ([sharding.shards(p) for p in params], "i8"),
+        },
+        "modules": {
+            "name": (watcher.names, "str"),
+            "type": (watcher.types, "str"),
+            "is_leaf": ([int(x) for x in watcher.is_leaf], "i8"),
+        },
+    }
+    lower, upper = bin_edges()
+    static["histogram_bins"] = {"lower": (lower, "f8"), "upper": (upper, "f8")}
+    static["histogram_params"] = {"param": (hist_params, "i8")}
+    static["histogram_modules"] = {"module": (hist_modules, "i8")}
+    return attrs, static
