@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from torchautopsy.recorder.writer import FORMAT_NAME, SCHEMA_VERSION, TraceWriter, table_layout
+from torchautopsy.recorder.schema import FORMAT_NAME, SCHEMA_VERSION, table_layout
+from torchautopsy.recorder.writer import TraceWriter
 
 BLOCK = 20_000  # steps generated and written at a time: memory stays bounded
 

@@ -33,7 +33,8 @@ from .schedule import OptimizerSchedule
 from .stats import Packer
 from .trace_header import trace_header
 from .tensors import BlackBox, Samples, Snapshots
-from .writer import TraceWriter, table_layout
+from .schema import table_layout
+from .writer import TraceWriter
 
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
 MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from .optimizer_hooks import on_pre_step
 
-STARTING_SUFFIX = ".starting"  # (writer.py and the analyzer's trace/run_dir.py know it too)
+STARTING_SUFFIX = ".starting"  # (the analyzer knows it too: trace/format.py)
 # rank{N}.h5 (attempt 1) or rank{N}.attempt{K}.h5 (K >= 2), optionally still .starting
 _NAME = re.compile(r"^rank(\d+)(?:\.attempt(\d+))?\.h5(?:\.starting)?$")
 _MAX_ATTEMPTS = 100_000

@@ -18,7 +18,7 @@ from .. import __version__  # the package's one version string (api/__init__.py)
 from . import sharding
 from .histograms import bin_edges
 from .memory import RSS_SOURCE
-from .writer import FORMAT_NAME, SCHEMA_VERSION
+from .schema import FORMAT_NAME, SCHEMA_VERSION
 
 _MAX_SUMMARY_CHARS = 65536
 

@@ -17,16 +17,16 @@ from torchautopsy import Recorder, load
 from torchautopsy.analyzer import memory_snapshot
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import format as reader_format
-from torchautopsy.recorder import cuda_memory, writer
+from torchautopsy.recorder import cuda_memory, resume, schema
 
 # Datasets of older formats that the reader still looks for (and upgrades): not written today.
 LEGACY = set()
 
 
 def test_constants_agree():
-    assert writer.SCHEMA_VERSION == reader_format.SCHEMA_VERSION
-    assert writer.FORMAT_NAME == reader_format.FORMAT_NAME
-    assert writer.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
+    assert schema.SCHEMA_VERSION == reader_format.SCHEMA_VERSION
+    assert schema.FORMAT_NAME == reader_format.FORMAT_NAME
+    assert resume.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
     for key in ("SNAPSHOT_KEYS", "SEGMENT_KEYS", "BLOCK_KEYS", "TRACE_KEYS", "FRAME_KEYS"):
         assert getattr(cuda_memory, key) == getattr(memory_snapshot, key), key
 
@@ -70,7 +70,7 @@ def test_every_dataset_the_analyzer_reads_is_one_the_writer_writes(monkeypatch):
     with h5py.File(glob.glob(f"{run}/rank0.h5")[0], "r") as f:
         written = set()
         f.visit(written.add)
-    layout = writer.table_layout(1, 1, 1, 1, 1)
+    layout = schema.table_layout(1, 1, 1, 1, 1)
     can_write = {f"{t}/{c.name}" for t, cols in layout.items() for c in cols} | set(layout)
 
     asked = set()
