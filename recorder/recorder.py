@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -24,7 +23,7 @@ from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
 from .hooks import ModuleWatcher
 from .param_stats import ParamStats
-from .loss_graph import loss_ops, outputs_nonfinite
+from .nan_origin import NanOrigin, loss_is_bad
 from .memory_probe import MemoryProbe
 from .profiler import ProfilerWindows
 from . import optimizer_hooks, resume, sharding
@@ -37,7 +36,6 @@ from .schema import table_layout
 from .writer import TraceWriter
 
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
-MAX_LOSS_CHECKS = 3  # bad steps whose loss function is examined: the first is the one that matters
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -100,10 +98,9 @@ class Recorder:
         # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
         # found by replaying the step (replay.py), whose watcher row is kept here for rec.step().
         self._watched = False
-        self._replayed: dict | None = None
+        self.origin = NanOrigin()  # where a bad step's NaN/Inf was born when not watched
         self.planner = StepPlanner(self.config)  # which step records what, within the budgets
         self.memory = MemoryProbe(self.config, self.planner, self._fail)  # RSS, CUDA, census, GC, OOM
-        self._loss_checks = 0  # bad steps whose loss function was examined (loss_graph.py)
 
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
@@ -238,10 +235,7 @@ class Recorder:
     def _replay(self) -> dict:
         """On a step that was not watched, find where its NaN/Inf was born by running its forward
         passes again on a copy of the model (before the black box is written: it says how it went)."""
-        if self._watched or self._replayed is not None or self.blackbox is None:
-            return {}
-        self._replayed = self.blackbox.replay()
-        return {"origin_replay": self._replayed["replay"]}
+        return {} if self._watched else self.origin.replay(self.blackbox)
 
     def _fire(self, task) -> None:
         """Write the black box now, and wait for it to be on disk: the job may die next."""
@@ -261,7 +255,7 @@ class Recorder:
             functional.watching(self, self._watched)
             if self.blackbox is not None:  # watched steps read the RNG states and check them
                 self.blackbox.take_rng = self._watched or not self.blackbox.rng_free
-        self._replayed = None
+        self.origin.new_step()
         self.activity.step = self.attention.step = step
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
@@ -366,7 +360,7 @@ class Recorder:
                 loss_value = self._loss_value(loss, host)
             # A step whose loss or gradients went NaN/Inf is measured in full, watched or not (a
             # second transfer, on that step only).
-            bad_step = (loss is not None and not np.isfinite(loss_value)) or grads_bad
+            bad_step = loss_is_bad(loss, loss_value) or grads_bad
             if bad_step and not watched:
                 ps.measure_bad(host)
             param_row, grad_bad = ps.finish(host, step, watched or bad_step)
@@ -376,29 +370,14 @@ class Recorder:
         self._loss_given = loss is not None
         if not watched and bad_step and self._trigger(loss_value, grad_bad, mods) is not None:
             self._replay()  # a NaN/Inf no optimizer step saw first: find its module now
-        if self._replayed is not None:
-            # A reproduced replay's row; else only the maker of a -Inf it saw (used just below).
-            keys = ("output_absmax", "origin", "consumer", "neg_origin", "batch_nonfinite") \
-                if self._replayed.get("reproduced") else ("neg_origin", "output_grad_nonfinite")
-            mods = {**mods, **{k: self._replayed[k] for k in keys if k in self._replayed}}
-        if (mods.get("neg_origin", -1) != -1 and mods["origin"] < 0 and not mods["batch_nonfinite"]
-                and loss is not None and not math.isfinite(loss_value)):
-            # No module made NaN/+Inf, but a -Inf one made went into the loss (hooks.py).
-            mods = {**mods, "origin": max(mods["neg_origin"], -1), "batch_nonfinite": int(mods["neg_origin"] == -2)}
+        mods = self.origin.merge(mods, loss_is_bad(loss, loss_value))
         if self._params:
             self._device = self._params[0].device
-        rows = {}
-        if (bad_step or mods["origin"] >= 0) and self._loss_checks < MAX_LOSS_CHECKS:
-            # What the loss function did on this bad step, read now while its graph and the
-            # model's outputs may still be alive (loss_graph.py).
-            self._loss_checks += 1
-            ops = loss_ops(loss)
-            rows["loss_checks"] = [{"step": step, "outputs_nonfinite": outputs_nonfinite(self.watcher.out_refs),
-                                    "ops": json.dumps(ops)}]
-        rows.update({
-            "params": param_row,
-            "modules": {"output_absmax": mods["output_absmax"]},
-        })
+        rows = {"params": param_row, "modules": {"output_absmax": mods["output_absmax"]}}
+        if bad_step or mods["origin"] >= 0:  # what the loss function did (loss_graph.py)
+            checks = self.origin.loss_check(step, loss, self.watcher.out_refs)
+            if checks:
+                rows["loss_checks"] = checks
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
         rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
@@ -431,7 +410,7 @@ class Recorder:
             self._fire(bb.capture(step, trigger, "end_of_step", extra={
                 "note": "seen at rec.step(), after this step's update: no optimizer step saw NaN/Inf "
                         "gradients first (a NaN loss or output with finite gradients, or a hand-written update)",
-                **({"origin_replay": self._replayed["replay"]} if self._replayed else {})}))
+                **({"origin_replay": self.origin.replayed["replay"]} if self.origin.replayed else {})}))
         self._end_step(step)
 
     def _write_step(self, step: int, t_called: float, loss_value: float, mods: dict, rows: dict) -> None:
