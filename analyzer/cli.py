@@ -1,7 +1,10 @@
 """The ``torchautopsy`` command: analyze and describe run directories.
 
-Unusable input (missing, empty, foreign, truncated or newer traces, a bad ``--config`` file) gives
-one line on stderr and exit code 2; ``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0.
+Unusable input (missing, empty, foreign, truncated or newer traces, a bad ``--config`` file, an
+output that must not be written, a bad command line) gives one line on stderr and exit code 2;
+``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0. Commands raise; ``main`` alone
+turns an error into its line and exit code. What ``analyze`` and ``info`` print is laid out by
+reports/terminal.py, imported when a command runs (``torchautopsy --help`` stays quick).
 """
 
 from __future__ import annotations
@@ -11,58 +14,22 @@ import os
 import sys
 
 import click
-import numpy as np
 
-from .config import AnalysisConfig
 from .config_file import load_config
-from .display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
 from .errors import ConfigError, TraceError
-from .findings import SEVERITIES, Finding, first_to_go_wrong
+from .export import ExportError
 from .output import check_outputs, write_output
-from .restarts import attempt_lines, blackbox_lines, restart_lines
-from .run import analyze as run_detectors, checked_kinds
-from .series import spacing
+from .run import analyze as run_detectors
 from .trace import Trace, load
 
 
-class InputError(click.ClickException):
-    """Bad input: one line, exit code 2 (click's own usage errors also exit 2)."""
-
-    exit_code = 2
+class InputError(Exception):
+    """A command line asking for what the run does not hold (a rank, a tensor): one line, exit code 2."""
 
 
-def _load(run_dir: str) -> Trace:
-    try:
-        return load(run_dir)
-    except TraceError as e:
-        raise InputError(str(e)) from None
-
-
-def _load_config(path: str | None) -> AnalysisConfig | None:
-    if path is None:
-        return None
-    try:
-        return load_config(path)
-    except ConfigError as e:
-        raise InputError(str(e)) from None
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _describe_run(trace: Trace) -> str:
-    rt0 = next(iter(trace.ranks.values()))
-    steps = max(r.n_steps for r in trace.ranks.values())
-    n_ranks = len(trace.ranks)
-    return (f"{shorten(rt0.meta.get('model_class', '?'), TITLE_CHARS)} "
-            f"({rt0.meta.get('n_parameters', 0):,} parameters), "
-            f"{n_ranks} rank{'s' if n_ranks != 1 else ''}, {steps:,} steps, "
-            f"{rt0.wall_time_s:.1f} s")
+# Unusable input, whichever command met it (a trace may be read lazily, well into a command):
+# "Error: <message>" on stderr, exit code 2.
+INPUT_ERRORS = (TraceError, ConfigError, ExportError, InputError)
 
 
 def _rank_files(run_dir: str) -> list[str]:
@@ -116,7 +83,8 @@ def cli():
 
 
 def main(argv=None) -> None:
-    """Entry point: click's usage errors shortened to one line, exit code 2."""
+    """Entry point: run a command, and turn whatever it raised into one line on stderr and the
+    exit code (2: unusable input or an error; 1: a finding reached --fail-on; 130: interrupted)."""
     try:
         code = cli.main(args=argv, prog_name="torchautopsy", standalone_mode=False)
     except click.UsageError as e:
@@ -126,13 +94,13 @@ def main(argv=None) -> None:
         hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
         click.echo(f"Error: {e.format_message()}{hint}", err=True)
         sys.exit(2)
-    except click.ClickException as e:
+    except click.ClickException as e:  # an output refused or not written (output.py): exit code 2
         e.show()
         sys.exit(e.exit_code)
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except TraceError as e:  # raised where a command reads lazily, outside its own handling
+    except INPUT_ERRORS as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(2)
     except (MemoryError, RecursionError) as e:
@@ -168,45 +136,23 @@ def main(argv=None) -> None:
               help="Open the HTML report in a web browser (written to a temporary file without --html).")
 def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html):
     """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
-    cfg = _load_config(config_path)
+    cfg = load_config(config_path) if config_path is not None else None
     traces = _rank_files(run_dir)
     # Reports overwrite a file (people re-run into the same report.html), never a trace or a link;
     # checked before a long analysis, not after.
     check_outputs((json_path, html_path, pdf_path, md_path), traces, overwrite=True)
-    trace = _load(run_dir)
+    trace = load(run_dir)
     progress = _Progress(trace)
     try:
         progress(0, 1, "running the detectors")
         findings = run_detectors(trace, cfg)
-    except TraceError as e:
-        raise InputError(str(e)) from None
     finally:
         progress.close()
 
-    click.echo(f"torchautopsy: {trace.run_dir}: {_describe_run(trace)}")
-    for line in restart_lines(trace):  # a job restarted into the directory (restarts.py)
-        click.echo(f"  {shorten_words(line, NAME_CHARS, INFO_TEXT_CHARS)}")
-    for rt in trace.ranks.values():
-        if not rt.closed_cleanly:
-            click.echo(f"  note: rank {rt.rank} did not close its trace (job killed?); "
-                       f"analyzed the {rt.n_steps:,} steps it flushed")
-    if not any(f.severity in ("error", "warning") for f in findings):
-        checked = ", ".join(checked_kinds(findings))
-        click.echo(f"No problem found (checked: {checked}).")
-    for f in findings:
-        click.echo(_finding_line(f))
-    first = first_to_go_wrong(findings)
-    ranks_hit = {f.rank for f in findings if f.severity in ("error", "warning")}
-    if first is not None and len(trace.ranks) > 1 and len(ranks_hit) > 1:
-        click.echo(f"rank {first.rank} went wrong first: {first.kind} at step {first.step:,}"
-                   + (f" ({first.evidence['stage']})" if "stage" in first.evidence else ""))
-    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    if findings:
-        click.echo(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n))
-    _blackbox_lines(trace)
-    for line in blackbox_lines(trace):  # of attempts before a rank's last
-        click.echo(line)
+    from ..reports.terminal import analyze_lines
 
+    for line in analyze_lines(trace, findings):
+        click.echo(line)
     if json_path:
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
         write_output(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n", traces, overwrite=True)
@@ -215,19 +161,6 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
-
-
-def _blackbox_lines(trace: Trace) -> None:
-    """Where a black box fired, and the command that takes the moment it broke out."""
-    from .export import fired_blackbox
-
-    fired = fired_blackbox(trace)
-    if fired:
-        rt, row, rank = fired
-        when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
-        click.echo(f"black box: rank {rt.rank} kept step {int(row['step']):,} ({shorten(row['trigger'], NAME_CHARS)}), parameters "
-                   f"{when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
-                   "params.safetensors --tensors blackbox inputs.safetensors")
 
 
 def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces) -> None:
@@ -277,98 +210,15 @@ def _temporary_html(trace: Trace) -> str:
     return path
 
 
-# A finding's summary on the terminal is cut to this many characters.
-SUMMARY_CHARS = 1000
-
-
-def _finding_line(f: Finding) -> str:
-    # Names come from the trace: each cut (the JSON findings hold them whole), and so is the summary.
-    where = ", ".join(shorten(w or "(model)") for w in f.where[:3]) or "-"
-    step = f"step {f.step:,}" if f.step is not None else "-"
-    rank = f"rank {f.rank}" if f.rank is not None else ""
-    head = f"  {f.severity.upper():8} {f.kind:22} {rank:7} {step:12} {where}"
-    return f"{head}\n      {shorten_words(f.summary, NAME_CHARS, SUMMARY_CHARS)}"
-
-
-def _spacing(steps) -> str:
-    """' (every N)' or ' (every N-M)' steps between samples, or ''."""
-    every = spacing(steps)
-    return f" (every {every})" if every else ""
-
-
-# A line of ``info`` that holds text from the trace is cut to this many characters.
-INFO_TEXT_CHARS = 600
-
-
 @cli.command()
 @click.argument("run_dir", type=click.Path())
 def info(run_dir):
     """Describe RUN_DIR: ranks, steps, time span, what was recorded, size, versions."""
-    trace = _load(run_dir)
-    click.echo(f"run directory  {trace.run_dir}")
-    click.echo(f"size on disk   {_human_bytes(trace.size_bytes)} in {trace.n_files} file(s)")
-    for rt in trace.ranks.values():
-        m = rt.meta
-        steps = rt.step_index
-        span = f"{steps[0]:,}-{steps[-1]:,}" if len(steps) else "none"
-        try:
-            act, upd = rt.sample_steps("activations"), rt.sample_steps("updates")
-        except TraceError:
-            act = upd = np.zeros(0, np.int64)
-        state = "closed cleanly" if rt.closed_cleanly else "not closed (job killed or still running)"
-        # Every string of the trace's metadata is cut for the terminal (a trace may hold anything).
-        click.echo(f"\nrank {rt.rank} of {shorten(m.get('world_size', 1))}   {os.path.basename(rt.path)}, "
-                   f"{_human_bytes(rt.size_bytes)}, {state}"
-                   + (f", end: {shorten_words(m['end_reason'], NAME_CHARS, INFO_TEXT_CHARS)}"
-                      if m.get("end_reason") else ""))
-        click.echo(f"  steps        {rt.n_steps:,} ({span}), {rt.wall_time_s:.1f} s from "
-                   f"{shorten(m.get('start_time', '?'))}")
-        for line in attempt_lines(trace, rt.rank):  # a restarted rank: its attempts, one timeline
-            click.echo(f"  {shorten_words(line, NAME_CHARS, INFO_TEXT_CHARS)}")
-        click.echo(f"  model        {shorten(m.get('model_class', '?'), TITLE_CHARS)}, "
-                   f"{m.get('n_parameters', 0):,} parameters")
-        click.echo(f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
-                   f"outputs every step; activation statistics at {len(act)} steps{_spacing(act)}; "
-                   f"update ratios at {len(upd)} steps{_spacing(upd)}")
-        pw = rt.profile_windows
-        if len(pw):
-            spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))
-            click.echo(f"  profiler     {len(pw)} window(s) at steps {spans}{' ...' if len(pw) > 8 else ''} "
-                       f"(torchautopsy export RUN_DIR --profile OUT.json --window N)")
-        if isinstance(m.get("profile_note"), str):  # windows deferred, skipped or lost (several Recorders)
-            click.echo(f"  {shorten_words('profiler note: ' + m['profile_note'], NAME_CHARS, INFO_TEXT_CHARS)}")
-        shards = int((rt.param_shards > 1).sum())
-        if shards:
-            click.echo(f"  sharded      {shards} parameter tensor(s) split across ranks (FSDP2): this file holds "
-                       f"rank {rt.rank}'s shards; analyze combines the ranks")
-        snaps = rt.memory_snapshots
-        if len(snaps):
-            at = ", ".join(f"{int(x):,}" for x in snaps["step"][:8])
-            click.echo(f"  CUDA memory  {len(snaps)} allocator snapshot(s) at steps {at}{' ...' if len(snaps) > 8 else ''} "
-                       f"(torchautopsy export RUN_DIR --memory-snapshot OUT.pickle --which N)")
-        ooms = rt.oom_events
-        if len(ooms):
-            click.echo(f"  out of memory  {len(ooms)} event(s), first at step {int(ooms['step'].iloc[0]):,} "
-                       f"on {shorten(ooms['device'].iloc[0])}")
-        try:
-            from .export import describe_stored
+    trace = load(run_dir)
+    from ..reports.terminal import info_lines
 
-            for what, _, detail in describe_stored(rt):
-                label = {"Parameter snapshots": "snapshots", "Sampled activations and gradients": "samples",
-                         "Black box": "black box"}.get(what, "histograms")
-                click.echo(f"  {label:12} {shorten_words(detail, NAME_CHARS, INFO_TEXT_CHARS)}")
-        except TraceError as e:
-            click.echo(f"  tensors      unreadable ({shorten_words(e, width=INFO_TEXT_CHARS)})")
-        if m.get("dropped_steps"):
-            click.echo(f"  dropped      {shorten(m['dropped_steps'])} steps (the writer fell behind)")
-        click.echo(f"  host         {shorten(m.get('host', '?'))}, device {shorten(m.get('device', '?'))}")
-        click.echo(f"  versions     trace schema {shorten(m.get('schema_version'))}, "
-                   f"{shorten(m.get('created_by', '?'))}, torch {shorten(m.get('torch_version', '?'))}, "
-                   f"python {shorten(m.get('python_version', '?'))}")
-    for path, reason in trace.unreadable.items():
-        click.echo(f"\nunreadable     {shorten_words(reason, width=INFO_TEXT_CHARS)}")
-    for _, note in trace.notes:
-        click.echo(f"\nnote           {shorten_words(note, NAME_CHARS, INFO_TEXT_CHARS)}")
+    for line in info_lines(trace):
+        click.echo(line)
 
 
 @cli.command()
@@ -395,46 +245,38 @@ def export(run_dir, profile_path, window, snapshot_path, which, params, tensors,
     if not (profile_path or snapshot_path or params or tensors):
         raise click.UsageError("nothing to export: give --profile OUT.json, --memory-snapshot OUT.pickle, "
                                "--params WHICH OUT.safetensors or --tensors WHICH OUT.safetensors")
-    from .export import ExportError, parse_which, profile_chunks, safetensors_chunks, select_params, select_tensors
+    from ..reports.terminal import human_bytes
+    from .export import parse_which, profile_chunks, safetensors_chunks, select_params, select_tensors
 
     asked = [(select_params, "parameters", params), (select_tensors, "tensors", tensors)]
-    try:
-        asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
-    except ExportError as e:
-        raise InputError(str(e)) from None
+    asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
     traces = _rank_files(run_dir)
     check_outputs((profile_path, snapshot_path, *(out for *_, out in asked)), traces, overwrite=force)
-    trace = _load(run_dir)
+    trace = load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
     if rank not in trace.ranks:
         raise InputError(f"{run_dir} has no rank {rank} (ranks: {', '.join(map(str, trace.ranks))})")
     rt = trace.ranks[rank]
     outputs = []
-    try:
-        for select, what, which_tensors, out in asked:
-            try:
-                sel = select(rt, which_tensors)
-            except ExportError as e:
-                raise InputError(str(e)) from None
-            if not sel.tensors:
-                raise InputError(f"{rt.path}: {sel.description} holds no tensor that safetensors can store")
-            skipped = f"; skipped (no safetensors dtype): {', '.join(sel.skipped[:5])}" if sel.skipped else ""
-            outputs.append((out, safetensors_chunks(sel), f"{sel.description}, rank {rank} "
-                            f"({len(sel.tensors)} tensors){skipped}"))
-        if profile_path:
-            data = profile_chunks(rt, window)  # unpacked while it is written
-            w = rt.profile_windows
-            row = w[w["window"] == window].iloc[0]
-            outputs.append((profile_path, data, f"profiler window {window} of rank {rank}, steps "
-                            f"{int(row['step_start'])}-{int(row['step_end'])}"))
-        if snapshot_path:
-            outputs.append(_memory_snapshot(rt, which, rank, snapshot_path))
-        for path, data, what in outputs:
-            n = write_output(path, data, traces, overwrite=force)
-            click.echo(f"wrote {path}: {what} ({_human_bytes(n)})")
-    except TraceError as e:
-        raise InputError(str(e)) from None
+    for select, what, which_tensors, out in asked:
+        sel = select(rt, which_tensors)
+        if not sel.tensors:
+            raise InputError(f"{rt.path}: {sel.description} holds no tensor that safetensors can store")
+        skipped = f"; skipped (no safetensors dtype): {', '.join(sel.skipped[:5])}" if sel.skipped else ""
+        outputs.append((out, safetensors_chunks(sel), f"{sel.description}, rank {rank} "
+                        f"({len(sel.tensors)} tensors){skipped}"))
+    if profile_path:
+        data = profile_chunks(rt, window)  # unpacked while it is written
+        w = rt.profile_windows
+        row = w[w["window"] == window].iloc[0]
+        outputs.append((profile_path, data, f"profiler window {window} of rank {rank}, steps "
+                        f"{int(row['step_start'])}-{int(row['step_end'])}"))
+    if snapshot_path:
+        outputs.append(_memory_snapshot(rt, which, rank, snapshot_path))
+    for path, data, what in outputs:
+        n = write_output(path, data, traces, overwrite=force)
+        click.echo(f"wrote {path}: {what} ({human_bytes(n)})")
 
 
 def _memory_snapshot(rt, which, rank, path):
