@@ -3,7 +3,7 @@
 a negative bias init), attention_entropy_lr (entropy collapse after a learning rate 30x too high)
 and attention_sink_mask (a key padding mask that leaves every query only [CLS]). The dead shares
 and entropies that fix their ground truth are measured during training on an unhooked twin of
-the model (sample_lib.Twin).
+the model (sample_truth.Twin).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from cases_common import _loss_summary, _train
-from sample_lib import (PAD, EncoderClassifier, PaddedTransformer, SDPAAttention, Twin, batches, count_task,
-                        dead_share, gratings, lasting_onset, mha_entropy, ragged_count_task, read_trace,
-                        recorded_attention, recorded_dead_share, relu_mlp, teacher_regression)
+from sample_lib import (PAD, EncoderClassifier, PaddedTransformer, SDPAAttention, batches, count_task, gratings,
+                        ragged_count_task, relu_mlp, teacher_regression)
+from sample_truth import (Twin, dead_share, lasting_onset, mha_entropy, read_trace, recorded_attention,
+                          recorded_dead_share)
 
 # ---------------------------------------------------------------------------------------------
 # Dead units: a layer is dead when at least this share of its units output nothing positive on

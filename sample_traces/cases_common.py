@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
-from sample_lib import read_trace
+from sample_truth import read_trace
 
 from torchautopsy import Recorder
 

@@ -1,5 +1,5 @@
 """The gradient-scale cases of make_samples.py: exploding_lr and exploding_cnn (a learning rate too
-high; step and where measured from the trace, sample_lib.explosion_truth) and vanishing_sigmoid
+high; step and where measured from the trace, sample_truth.explosion_truth) and vanishing_sigmoid
 and vanishing_cnn_sigmoid (sigmoid derivatives compounding over depth; step 0, the first layer,
 by construction), with the entry builders that read each trace back and check it.
 """
@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from cases_common import _train
-from sample_lib import (EXPLODE_BASELINE_STEPS, EXPLODE_FACTOR, N_IN, batches, explosion_truth, gratings,
-                        read_trace, relu_mlp, small_cnn, teacher_regression)
+from sample_lib import N_IN, batches, gratings, relu_mlp, small_cnn, teacher_regression
+from sample_truth import EXPLODE_BASELINE_STEPS, EXPLODE_FACTOR, explosion_truth, read_trace
 
 # ---------------------------------------------------------------------------------------------
 # vanishing_*: vanishing from the first step on.
 VANISHING_STEP = 0
 # exploding_*: EXPLODE_FACTOR x the median total gradient norm of the first EXPLODE_BASELINE_STEPS
-# steps (sample_lib.explosion_truth). Reference runs (torch 2.13 CPU): exploding_lr 100x at step
+# steps (sample_truth.explosion_truth). Reference runs (torch 2.13 CPU): exploding_lr 100x at step
 # 45, first non-finite loss at step 48.
 # ---------------------------------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from cases_common import _expect_learned, _train
-from sample_lib import (BATCH, N_IN, EncoderClassifier, GRUClassifier, batches, count_task, gratings,
-                        lasting_onset, read_trace, relu_mlp, small_cnn, teacher_regression, waves)
+from sample_lib import (BATCH, N_IN, EncoderClassifier, GRUClassifier, batches, count_task, gratings, relu_mlp,
+                        small_cnn, teacher_regression, waves)
+from sample_truth import lasting_onset, read_trace
 
 
 # -- healthy runs ---------------------------------------------------------------------------------

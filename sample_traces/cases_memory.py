@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cases_common import _train
-from sample_lib import GRUClassifier, batches, census, read_trace, relu_mlp, rss_growth, teacher_regression, waves
+from sample_lib import GRUClassifier, batches, relu_mlp, teacher_regression, waves
+from sample_truth import census, read_trace, rss_growth
 
 
 # -- memory leaks -----------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from cases_common import _train
 from sample_lib import (BATCH, N_IN, PAD, HandwrittenAttention, PaddedTransformer, gratings,
-                        ragged_count_task, read_trace, small_cnn)
+                        ragged_count_task, small_cnn)
+from sample_truth import read_trace
 
 # ---------------------------------------------------------------------------------------------
 # Ground truth known by construction.

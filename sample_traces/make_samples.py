@@ -18,7 +18,7 @@ before it; with --jobs 2 two cases run side by side. Torch runs on one thread in
 Everything is seeded (torch.manual_seed for the initial weights, torch.Generator for data and
 batch order), so the same torch version on the same machine writes the same losses, bit for bit.
 The losses are also bit-identical to the same loops without the recorder: the measurements that
-fix a case's ground truth during training run on an unhooked twin of the model (sample_lib.Twin).
+fix a case's ground truth during training run on an unhooked twin of the model (sample_truth.Twin).
 The script checks each trace after writing it (h5py only) and prints what it found; it exits
 non-zero if a case did not come out as intended.
 
@@ -79,7 +79,7 @@ import cases_gradients  # noqa: E402
 import cases_healthy  # noqa: E402
 import cases_memory  # noqa: E402
 import cases_nonfinite  # noqa: E402
-from sample_lib import EXPLODE_BASELINE_STEPS, EXPLODE_FACTOR, read_trace  # noqa: E402
+from sample_truth import EXPLODE_BASELINE_STEPS, EXPLODE_FACTOR, read_trace  # noqa: E402
 
 CASES = (
     "healthy_mlp", "healthy_cnn_bn", "healthy_transformer", "healthy_gru", "healthy_plateau",

@@ -6,6 +6,9 @@ versions. It never imports torch, never unpickles, and never executes anything f
     format.py          constants, opening a rank file (also one a killed job left open), strings
     streaming.py       block reads, chosen rows, the per-step digest
     rank.py            RankTrace: one rank's per-step, sampled and windowed tables
+    step_columns.py    StepColumns: the per-step table read a column at a time; its columns
+    table_reads.py     low-level dataset and table readers, checked (mixed into RankTrace)
+    site_tables.py     activity, attention and module-output call sites (mixed into RankTrace)
     memory_tables.py   CUDA allocator snapshots and out-of-memory events (mixed into RankTrace)
     stored_tensors.py  snapshots, samples, the black box, histograms (mixed into RankTrace)
     run_dir.py         Trace and load(): a run directory, one RankTrace per rank

@@ -1,5 +1,9 @@
 """One rank's trace (``rank{N}.h5``), read lazily: the per-step tables, the sampled ones, the
-windows and sites, and the per-step digest."""
+windows and sites, and the per-step digest.
+
+RankTrace is put together from mixins, one module each: the low-level readers (table_reads.py),
+the call-site tables (site_tables.py), the CUDA memory tables (memory_tables.py) and the stored
+tensors (stored_tensors.py); the per-step table is read through StepColumns (step_columns.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +17,15 @@ from ..errors import SchemaVersionError, TraceFormatError
 from . import schema
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
-                     _PER_STEP_TABLES, _attr, _open, _strings, _texts, parse_json, rank_of_file)
+                     _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .memory_tables import MemoryTables
+from .site_tables import SiteTables
+from .step_columns import _OPTIONAL_STEP_COLUMNS, STEP_COLUMNS, StepColumns
 from .stored_tensors import StoredTensors
-from .streaming import _WINDOWS_PER_READ, StepDigest, _gather, _row_selection, _width, block_rows
+from .streaming import StepDigest
+from .table_reads import TableReads
+
+__all__ = ["STEP_COLUMNS", "RankTrace", "StepColumns"]
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -26,7 +35,7 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class RankTrace(MemoryTables, StoredTensors):
+class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
     """One rank's trace, read lazily; every DataFrame it returns is read-only."""
 
     def __init__(self, path: str):
@@ -75,77 +84,6 @@ class RankTrace(MemoryTables, StoredTensors):
                                        f"parts ({e}); it cannot be analyzed") from None
         self.meta = schema.clean_meta(meta)
         self.rank = self.meta.get("rank", rank_of_file(path))  # the file's name, if the attribute is unusable
-
-    # -- raw reads ----------------------------------------------------------------------------
-    def _read(self, name: str, rows: int | None = None, text: bool = False, ndim: int | None = None) -> np.ndarray:
-        """A dataset (its first ``rows`` rows), read-only; numbers unless ``text``, of ``ndim``
-        dimensions if given."""
-        try:
-            with _open(self.path) as f:
-                ds = f[name]
-                arr = ds[: rows] if rows is not None else ds[()]
-        except (KeyError, OSError, ValueError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
-        arr = np.asarray(arr)
-        if not text:
-            schema.numeric(self.path, name, arr)
-        if ndim is not None and arr.ndim != ndim:
-            raise TraceFormatError(f"{self.path}: {name} has shape {arr.shape}, not {ndim}-D; the trace is damaged")
-        arr.flags.writeable = False
-        return arr
-
-    def _frame(self, data: np.ndarray, index: np.ndarray, columns: list[str], name: str) -> pd.DataFrame:
-        if data.ndim != 2 or data.shape[1] != len(columns):
-            raise TraceFormatError(f"{self.path}: {name} is {data.shape[1:]} wide, not one column per name "
-                                   f"({len(columns):,}); the trace is damaged")
-        df = pd.DataFrame(data, index=pd.Index(index, name="step"), columns=columns, copy=False)
-        return df
-
-    def _read_rows(self, name: str, rows, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row indices, the rows) of the first n rows of a dataset: all of them (rows=None), a
-        slice, or chosen rows. Chosen rows are gathered a block at a time: memory is bounded by
-        the rows asked for, never by the length of the table."""
-        sel = _row_selection(slice(None) if rows is None else rows, n)
-        try:
-            with _open(self.path) as f:
-                ds = f[name]
-                if isinstance(sel, slice) and sel.step == 1:
-                    idx = np.arange(sel.start, max(sel.start, sel.stop))
-                    out = ds[sel.start:max(sel.start, sel.stop)]
-                else:
-                    idx = np.arange(sel.start, sel.stop, sel.step) if isinstance(sel, slice) else sel
-                    out = _gather(ds, idx)
-        except (KeyError, OSError, ValueError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
-        out = schema.numeric(self.path, name, np.asarray(out))
-        out.flags.writeable = False
-        return idx, out
-
-    def blocks(self, name: str, stop: int | None = None, start: int = 0):
-        """Yield (first row, rows) of a dataset, one block of rows at a time, up to ``stop``
-        (default: the steps every per-step table holds, for per-step tables)."""
-        if stop is None:
-            table = name.split("/", 1)[0]
-            stop = self.n_steps if table in _PER_STEP_TABLES else None
-        try:
-            with _open(self.path) as f:
-                ds = f[name]
-                stop = ds.shape[0] if stop is None else min(stop, ds.shape[0])
-                if ds.dtype.kind not in "iufb" or ds.ndim not in (1, 2):
-                    raise TraceFormatError(f"{self.path}: {name} holds {ds.dtype} {ds.shape}, not a "
-                                           "table of numbers; the trace is damaged")
-                step = block_rows(_width(ds))
-                for a in range(start, stop, step):
-                    block = np.asarray(ds[a:min(a + step, stop)])
-                    block.flags.writeable = False
-                    yield a, block
-        except (KeyError, OSError, ValueError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
-
-    def rows_in_span(self, lo: float, hi: float) -> slice:
-        """The rows of the per-step tables whose step lies in [lo, hi]."""
-        idx = self.step_index
-        return slice(int(np.searchsorted(idx, lo, "left")), int(np.searchsorted(idx, hi, "right")))
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -214,138 +152,10 @@ class RankTrace(MemoryTables, StoredTensors):
         """Rows of a sampled table (activations, updates, attention); 0 if absent."""
         return len(self.sample_steps(table))
 
-    def _sampled_steps(self, table: str, cols) -> np.ndarray:
-        try:
-            with _open(self.path) as f:
-                n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
-        except (KeyError, OSError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
-        return self._read(f"{table}/step", n, ndim=1)
-
-    def _n_rows(self, table: str, cols) -> int:
-        """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
-        table is absent (an older trace)."""
-        try:
-            with _open(self.path) as f:
-                if table not in f:
-                    return 0
-                return min(f[f"{table}/{c}"].shape[0] for c in cols)
-        except (KeyError, OSError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
-
     def lacks(self, name: str) -> bool:
         """Whether the trace lacks dataset ``name`` (e.g. "steps/lr") and the reader cannot fill it
         in: step columns added after the first traces read as "not measured" when absent."""
         return name.removeprefix("steps/") not in _OPTIONAL_STEP_COLUMNS and not self._has(name)
-
-    def _has(self, name: str) -> bool:
-        with _open(self.path) as f:
-            return name in f
-
-    def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = (),
-               ndim: int | None = None) -> dict[str, np.ndarray]:
-        """All columns of a table, cut to the rows every column holds (a kill can leave one
-        column a row longer); an absent table (older trace) reads as empty. Columns not in
-        ``texts`` must hold numbers; all of ``ndim`` dimensions if given."""
-        if not self._has(table):
-            return {c: np.zeros(0) for c in cols}
-        n = self._n_rows(table, cols)
-        return {c: self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim) for c in cols}
-
-    def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
-        """A table as a DataFrame, its text columns decoded."""
-        df = pd.DataFrame(self._table(table, cols, texts, ndim=1))
-        for c in texts:
-            df[c] = _texts(df[c])
-        return df
-
-    def _sites(self, table: str, cols: tuple[str, ...], *texts: str) -> pd.DataFrame:
-        """A site table with its text columns decoded and module indices turned into names
-        (``module``), the index kept as ``module_index``."""
-        df = self._texts_table(table, cols, texts)
-        df["module_index"] = df["module"].astype(int)
-        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
-                        for i in df["module_index"]]
-        return df
-
-    @cached_property
-    def activity_sites(self) -> pd.DataFrame:
-        """Activation-function call sites: module (name), function, call, param, unit_dim,
-        units, bit_offset, first_step. One row per site, in the order they were first seen."""
-        cols = ("module", "function", "call", "param", "unit_dim", "units", "bit_offset", "first_step")
-        return self._sites("activity_sites", cols, "function")
-
-    def activity_windows(self):
-        """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
-        saturated_frac per site, steps watched), one window at a time, oldest first. A site
-        is seen only on watched steps (schema 2: every activations_every-th step; before it,
-        every step of the window)."""
-        cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
-        watched_col = self._has("activity/steps_watched")
-        n = self._n_rows("activity", cols + (("steps_watched",) if watched_col else ()))
-        n_bits = self._site_extent(self.activity_sites, "bit_offset", "units", "activity/ever_positive", 8)
-        # A block of windows at a time: a long run has tens of thousands of windows.
-        for start in range(0, n, _WINDOWS_PER_READ):
-            stop = min(n, start + _WINDOWS_PER_READ)
-            t = {c: self._read_rows(f"activity/{c}", slice(start, stop), n)[1] for c in cols}
-            watched = self._read_rows("activity/steps_watched", slice(start, stop), n)[1] if watched_col else \
-                t["step_end"] - t["step_start"] + 1
-            for i in range(stop - start):
-                bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
-                bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
-                yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
-                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(watched[i]))
-
-    # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
-    # its width by this much, no more.
-    _SITE_MARGIN = 1 << 16
-
-    def _site_extent(self, sites: pd.DataFrame, offset: str, count: str, table: str, per_column: int) -> int:
-        """The columns (or bits) the sites of a table span, checked against the table's width so
-        that a damaged offset or count cannot make a reader allocate what it says."""
-        if not len(sites):
-            return 0
-        off = np.asarray(sites[offset], dtype=np.int64)
-        cnt = np.asarray(sites[count], dtype=np.int64)
-        extent = int((off + cnt).max()) if off.min() >= 0 and cnt.min() >= 0 else -1
-        width = self._width_of(table) * per_column
-        if extent < 0 or extent > width + self._SITE_MARGIN:
-            raise TraceFormatError(f"{self.path}: the {table.split('/')[0]} sites' {offset} and {count} do not fit "
-                                   f"{table} ({width:,} wide); the trace is damaged")
-        return extent
-
-    def _width_of(self, name: str) -> int:
-        try:
-            with _open(self.path) as f:
-                return int(f[name].shape[1]) if name in f and f[name].ndim == 2 else 0
-        except (KeyError, OSError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
-
-    @cached_property
-    def attention_sites(self) -> pd.DataFrame:
-        """Attention call sites: module (name), source, call, heads, head_offset, first_step."""
-        cols = ("module", "source", "call", "heads", "head_offset", "first_step")
-        return self._sites("attention_sites", cols, "source")
-
-    def attention_stat(self, stat: str) -> pd.DataFrame:
-        """Sampled steps x heads ("module/h0", ...) for entropy, max_weight, sink_share; steps x
-        sites (module names) for head_similarity and keys."""
-        per_head = ("entropy", "max_weight", "sink_share")
-        if stat not in per_head + ("head_similarity", "keys"):
-            raise ValueError(f"unknown attention statistic {stat!r}")
-        t = self._table("attention", ("step", stat))
-        sites = self.attention_sites
-        if stat in per_head:
-            self._site_extent(sites, "head_offset", "heads", f"attention/{stat}", 1)
-            cols = [f"{m}/h{h}" for m, n in zip(sites["module"], sites["heads"]) for h in range(int(n))]
-        else:
-            cols = [f"{m}#{c}" if c else m for m, c in zip(sites["module"], sites["call"])]
-        data = np.asarray(t[stat], dtype=np.float64)
-        data = data.reshape(len(t["step"]), -1) if data.size else np.zeros((len(t["step"]), 0))
-        width = len(cols)
-        if data.shape[1] < width:  # rows written before later sites were seen
-            data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
-        return self._frame(data[:, :width], t["step"], cols, f"attention/{stat}")
 
     @cached_property
     def census_groups(self) -> pd.DataFrame:
@@ -379,16 +189,6 @@ class RankTrace(MemoryTables, StoredTensors):
             checks.setdefault(step, {"outputs_nonfinite": int(outs) if outs in (0, 1) else -1,
                                           "ops": ops[:64] if ok else None})
         return checks
-
-    @cached_property
-    def module_outputs(self) -> pd.DataFrame:
-        """The shape and dtype of each module's first floating-point output: module (name),
-        module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
-        extra = ("grad_fn",) if self._has("module_outputs/grad_fn") else ()
-        df = self._sites("module_outputs", ("module", "shape", "dtype") + extra, "shape", "dtype", *extra)
-        if "grad_fn" not in df:
-            df["grad_fn"] = ""
-        return df
 
     @cached_property
     def profile_windows(self) -> pd.DataFrame:
@@ -528,49 +328,3 @@ class RankTrace(MemoryTables, StoredTensors):
         if t.size == 0:
             return 0.0
         return float(t[-1] - self.meta.get("start_unix", t[0]))
-
-
-# Step columns added to schema 1 after its first traces, and what they read as when absent.
-_OPTIONAL_STEP_COLUMNS = {
-    **dict.fromkeys(("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
-    **dict.fromkeys(("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan),
-    "gc_s": np.nan,  # time in garbage collection during the step
-    "gc_gen2": -1,  # full (generation 2) collections during the step
-    # The optimizer's schedule (added to schema 2 later): NaN / -1 where not recorded.
-    "lr": np.nan,
-    "loss_scale": np.nan,
-    "optimizer_steps": -1,
-    "nonfinite_consumer": -1,  # (added later: the module that made a -Inf a fault)
-    "loss_given": -1,  # (added later: 1 if rec.step() was given a loss; -1: not said)
-    "output_grad_nonfinite": -1,  # (added later: the gradient at the model's outputs held NaN/Inf)
-}
-STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
-                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)
-
-
-class StepColumns:
-    """The per-step table of a rank, read a column at a time (see RankTrace.steps)."""
-
-    columns = STEP_COLUMNS
-
-    def __init__(self, rt: RankTrace):
-        self._rt = rt
-        self.index = pd.Index(rt.step_index, name="step")
-
-    def __getitem__(self, col):
-        """A column as a Series by step; a list of columns as a DataFrame."""
-        if isinstance(col, (list, tuple)):
-            return self.frame(col)
-        if col not in self.columns:
-            raise KeyError(col)
-        return pd.Series(self._rt._step_column(col), index=self.index, name=col, copy=False)
-
-    def __contains__(self, col) -> bool:
-        return col in self.columns
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def frame(self, cols=STEP_COLUMNS) -> pd.DataFrame:
-        """Those columns as a DataFrame (all of them: 130 bytes a step)."""
-        return pd.DataFrame({c: self[c] for c in cols}, index=self.index)

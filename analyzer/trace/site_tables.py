@@ -1,0 +1,110 @@
+"""RankTrace's readers of the per-call-site tables: activation-function activity (windowed),
+attention (sampled) and module outputs. A site table names its modules by index; these readers
+turn the indices into names and check the sites' offsets against the width of the table they
+index."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from ..errors import TraceFormatError
+from .streaming import _WINDOWS_PER_READ
+
+
+class SiteTables:
+    """Mixed into RankTrace: needs its ``module_names`` and the readers of TableReads
+    (``_read_rows``, ``_frame``, ``_has``, ``_n_rows``, ``_table``, ``_texts_table``, ``_width_of``)."""
+
+    def _sites(self, table: str, cols: tuple[str, ...], *texts: str) -> pd.DataFrame:
+        """A site table with its text columns decoded and module indices turned into names
+        (``module``), the index kept as ``module_index``."""
+        df = self._texts_table(table, cols, texts)
+        df["module_index"] = df["module"].astype(int)
+        df["module"] = [self.module_names[i] if 0 <= i < len(self.module_names) else f"#{i}"
+                        for i in df["module_index"]]
+        return df
+
+    @cached_property
+    def activity_sites(self) -> pd.DataFrame:
+        """Activation-function call sites: module (name), function, call, param, unit_dim,
+        units, bit_offset, first_step. One row per site, in the order they were first seen."""
+        cols = ("module", "function", "call", "param", "unit_dim", "units", "bit_offset", "first_step")
+        return self._sites("activity_sites", cols, "function")
+
+    def activity_windows(self):
+        """Yield (step_start, step_end, steps_seen per site, ever_positive bits per unit,
+        saturated_frac per site, steps watched), one window at a time, oldest first. A site
+        is seen only on watched steps (schema 2: every activations_every-th step; before it,
+        every step of the window)."""
+        cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
+        watched_col = self._has("activity/steps_watched")
+        n = self._n_rows("activity", cols + (("steps_watched",) if watched_col else ()))
+        n_bits = self._site_extent(self.activity_sites, "bit_offset", "units", "activity/ever_positive", 8)
+        # A block of windows at a time: a long run has tens of thousands of windows.
+        for start in range(0, n, _WINDOWS_PER_READ):
+            stop = min(n, start + _WINDOWS_PER_READ)
+            t = {c: self._read_rows(f"activity/{c}", slice(start, stop), n)[1] for c in cols}
+            watched = self._read_rows("activity/steps_watched", slice(start, stop), n)[1] if watched_col else \
+                t["step_end"] - t["step_start"] + 1
+            for i in range(stop - start):
+                bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
+                bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
+                yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
+                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(watched[i]))
+
+    # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
+    # its width by this much, no more.
+    _SITE_MARGIN = 1 << 16
+
+    def _site_extent(self, sites: pd.DataFrame, offset: str, count: str, table: str, per_column: int) -> int:
+        """The columns (or bits) the sites of a table span, checked against the table's width so
+        that a damaged offset or count cannot make a reader allocate what it says."""
+        if not len(sites):
+            return 0
+        off = np.asarray(sites[offset], dtype=np.int64)
+        cnt = np.asarray(sites[count], dtype=np.int64)
+        extent = int((off + cnt).max()) if off.min() >= 0 and cnt.min() >= 0 else -1
+        width = self._width_of(table) * per_column
+        if extent < 0 or extent > width + self._SITE_MARGIN:
+            raise TraceFormatError(f"{self.path}: the {table.split('/')[0]} sites' {offset} and {count} do not fit "
+                                   f"{table} ({width:,} wide); the trace is damaged")
+        return extent
+
+    @cached_property
+    def attention_sites(self) -> pd.DataFrame:
+        """Attention call sites: module (name), source, call, heads, head_offset, first_step."""
+        cols = ("module", "source", "call", "heads", "head_offset", "first_step")
+        return self._sites("attention_sites", cols, "source")
+
+    def attention_stat(self, stat: str) -> pd.DataFrame:
+        """Sampled steps x heads ("module/h0", ...) for entropy, max_weight, sink_share; steps x
+        sites (module names) for head_similarity and keys."""
+        per_head = ("entropy", "max_weight", "sink_share")
+        if stat not in per_head + ("head_similarity", "keys"):
+            raise ValueError(f"unknown attention statistic {stat!r}")
+        t = self._table("attention", ("step", stat))
+        sites = self.attention_sites
+        if stat in per_head:
+            self._site_extent(sites, "head_offset", "heads", f"attention/{stat}", 1)
+            cols = [f"{m}/h{h}" for m, n in zip(sites["module"], sites["heads"]) for h in range(int(n))]
+        else:
+            cols = [f"{m}#{c}" if c else m for m, c in zip(sites["module"], sites["call"])]
+        data = np.asarray(t[stat], dtype=np.float64)
+        data = data.reshape(len(t["step"]), -1) if data.size else np.zeros((len(t["step"]), 0))
+        width = len(cols)
+        if data.shape[1] < width:  # rows written before later sites were seen
+            data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
+        return self._frame(data[:, :width], t["step"], cols, f"attention/{stat}")
+
+    @cached_property
+    def module_outputs(self) -> pd.DataFrame:
+        """The shape and dtype of each module's first floating-point output: module (name),
+        module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
+        extra = ("grad_fn",) if self._has("module_outputs/grad_fn") else ()
+        df = self._sites("module_outputs", ("module", "shape", "dtype") + extra, "shape", "dtype", *extra)
+        if "grad_fn" not in df:
+            df["grad_fn"] = ""
+        return df
