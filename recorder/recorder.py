@@ -31,7 +31,8 @@ from .planner import StepPlanner
 from .schedule import OptimizerSchedule
 from .stats import Packer
 from .trace_header import trace_header
-from .tensors import BlackBox, Samples, Snapshots
+from .blackbox import BlackBox
+from .tensors import Samples, Snapshots
 from .schema import table_layout
 from .writer import TraceWriter
 
@@ -173,7 +174,7 @@ class Recorder:
         resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
 
     def _setup_tensors(self) -> None:
-        """Snapshots, sampled tensors and the black box (tensors.py)."""
+        """Snapshots, sampled tensors (tensors.py) and the black box (blackbox.py)."""
         cfg = self.config
         if cfg.snapshot_every:
             self.snapshots = Snapshots(self.model, cfg.snapshot_every, cfg.snapshot_budget_bytes, cfg.snapshot_dtype)

@@ -280,7 +280,7 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("head_similarity", "f4", GROWS),  # per site: mean pairwise cosine of heads
             Column("keys", "i4", GROWS),  # per site: number of keys
         ],
-        # Stored tensors (tensors.py): parameter snapshots, sampled activations and gradients,
+        # Stored tensors (tensors.py, blackbox.py): parameter snapshots, sampled activations and gradients,
         # the black box. One row per tensor; its raw bytes (exact dtype, C order, little-endian)
         # are in blobs/bytes or snapshots/bytes at [offset, offset + nbytes).
         "tensors": [
