@@ -327,3 +327,38 @@ def chunk_rows(width: int, itemsize: int) -> int:
     # re-allocated at every flush that touches it and, in SWMR mode, its old space is never
     # reused (600 one-row flushes grew a 120 KB gzip dataset to 30 MB; measured).
     return int(max(16, min(4096, (32 * 1024) // max(1, width * itemsize))))
+
+
+def create_column(g: h5py.Group, c: Column) -> h5py.Dataset:
+    """The empty, growable dataset of a column: its dtype, fill value and chunking."""
+    if c.dtype == "str":
+        return g.create_dataset(c.name, shape=(0,), maxshape=(None,), dtype=STR, chunks=(256,))
+    item = np.dtype(c.dtype).itemsize
+    if c.width is None:  # 1,024 rows (8 KiB of int64): ~30 such columns stay small
+        shape, maxshape, chunks = (0,), (None,), (1024,)
+    elif c.width == GROWS:
+        # 128 rows x 32 columns: a few heads or sites per layer fill a chunk's width, and
+        # a short run stays one chunk tall (16 KiB for float32).
+        shape, maxshape, chunks = (0, 0), (None, None), (128, 32)
+    else:  # a model without parameters still gets its (steps x 0) datasets
+        shape, maxshape = (0, c.width), (None, c.width or None)
+        chunks = (c.chunk_rows or chunk_rows(c.width, item), max(1, c.width))
+    return g.create_dataset(c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
+                            fillvalue=fill_value(c.dtype))
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_I32 = np.iinfo(np.int32)
+
+
+def saturate(values, dtype: str) -> np.ndarray:
+    """Rows of numbers as a column of ``dtype``, done here in bulk rather than per step in the
+    training thread. float32: finite values saturate at float32's max, so that only a real
+    NaN/Inf is stored as one (a norm of 1e40 is stored as 3.4e38, not as Inf); int32: counts
+    saturate at its max."""
+    if dtype == "f4":
+        x = np.asarray(values, dtype=np.float64)
+        return np.where(np.isfinite(x), np.clip(x, -_F32_MAX, _F32_MAX), x).astype(np.float32)
+    if dtype == "i4":
+        return np.clip(np.asarray(values, dtype=np.int64), _I32.min, _I32.max).astype(np.int32)
+    return np.array(values, dtype=dtype)

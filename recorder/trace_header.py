@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .. import __version__  # the package's one version string (api/__init__.py)
+from .. import __version__  # the package's one version string (toplevel/__init__.py)
 from . import sharding
 from .histograms import bin_edges
 from .memory import RSS_SOURCE

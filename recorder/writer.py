@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from .resume import closing_attrs, publish, reserve
-from .schema import GROWS, STR, Column, chunk_rows, fill_value
+from .schema import GROWS, STR, Column, create_column, fill_value, saturate
 
 _STOP = object()
 _FLUSH = object()
@@ -39,23 +39,6 @@ _WAKE = object()
 PUT_BATCH = 16
 _ABANDONED: list = []  # files whose writes failed: never closed (see TraceWriter._run)
 _MARGIN = 2 * 2**20  # bytes kept free beyond the worst case of one write
-
-
-_F32_MAX = float(np.finfo(np.float32).max)
-_I32 = np.iinfo(np.int32)
-
-
-def saturate(values, dtype: str) -> np.ndarray:
-    """Rows of numbers as a column of ``dtype``, done here in bulk rather than per step in the
-    training thread. float32: finite values saturate at float32's max, so that only a real
-    NaN/Inf is stored as one (a norm of 1e40 is stored as 3.4e38, not as Inf); int32: counts
-    saturate at its max."""
-    if dtype == "f4":
-        x = np.asarray(values, dtype=np.float64)
-        return np.where(np.isfinite(x), np.clip(x, -_F32_MAX, _F32_MAX), x).astype(np.float32)
-    if dtype == "i4":
-        return np.clip(np.asarray(values, dtype=np.int64), _I32.min, _I32.max).astype(np.int32)
-    return np.array(values, dtype=dtype)
 
 
 class NoRoomError(OSError):
@@ -130,7 +113,7 @@ class TraceWriter:
             chunk_bytes = row_bytes = 0
             grows, widths = [], {}
             for c in cols:
-                ds = self._ds[table][c.name] = self._create(g, c)
+                ds = self._ds[table][c.name] = create_column(g, c)
                 item = ds.dtype.itemsize
                 chunk_bytes += int(np.prod(ds.chunks)) * item
                 if ds.ndim == 1:
@@ -151,23 +134,6 @@ class TraceWriter:
         # chunks are allocated once and rewritten in place.
         self._snap = self._f.create_dataset("snapshots/bytes", shape=(0,), maxshape=(None,), dtype="u1",
                                             chunks=(64 * 1024,))
-
-    @staticmethod
-    def _create(g: h5py.Group, c: Column) -> h5py.Dataset:
-        if c.dtype == "str":
-            return g.create_dataset(c.name, shape=(0,), maxshape=(None,), dtype=STR, chunks=(256,))
-        item = np.dtype(c.dtype).itemsize
-        if c.width is None:  # 1,024 rows (8 KiB of int64): ~30 such columns stay small
-            shape, maxshape, chunks = (0,), (None,), (1024,)
-        elif c.width == GROWS:
-            # 128 rows x 32 columns: a few heads or sites per layer fill a chunk's width, and
-            # a short run stays one chunk tall (16 KiB for float32).
-            shape, maxshape, chunks = (0, 0), (None, None), (128, 32)
-        else:  # a model without parameters still gets its (steps x 0) datasets
-            shape, maxshape = (0, c.width), (None, c.width or None)
-            chunks = (c.chunk_rows or chunk_rows(c.width, item), max(1, c.width))
-        return g.create_dataset(c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks,
-                                fillvalue=fill_value(c.dtype))
 
     # -- training thread ----------------------------------------------------------------------
     def put(self, rows: dict[str, dict | list[dict]]) -> None:
