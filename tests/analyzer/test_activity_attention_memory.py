@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests import training
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.run import analyze
 
@@ -32,19 +33,26 @@ class FunctionalMLP(nn.Module):
         return self.out(F.relu(self.fc2(h)))
 
 
-def train(run_dir, model, steps=100, lr=0.01, each_step=None, batch=32):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def _inputs_as_targets(shape):
+    """Batches of random inputs from a generator seeded 0, each its own target (the loss reads
+    the part of it it learns)."""
     g = torch.Generator().manual_seed(0)
-    with Recorder(model, run_dir) as rec:
-        for step in range(steps):
-            x = torch.randn(batch, 8, generator=g)
-            loss = (model(x) - x[:, :1]).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if each_step:
-                each_step(step, model)
-            rec.step(loss=loss)
+
+    def batch(step):
+        x = torch.randn(*shape, generator=g)
+        return x, x
+
+    return batch
+
+
+def _each_step(model, each_step):
+    return (lambda step, loss: each_step(step, model)) if each_step else None
+
+
+def train(run_dir, model, steps=100, lr=0.01, each_step=None, batch=32):
+    training.train(model, run_dir, steps, _inputs_as_targets((batch, 8)),
+                   lambda out, x: (out - x[:, :1]).pow(2).mean(),
+                   optimizer=torch.optim.SGD(model.parameters(), lr=lr), after_update=_each_step(model, each_step))
     return analyze(load(run_dir))
 
 
@@ -104,18 +112,9 @@ class TinyTransformer(nn.Module):
 def train_transformer(run_dir, steps, each_step=None):
     torch.manual_seed(0)
     model = TinyTransformer()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    g = torch.Generator().manual_seed(0)
-    with Recorder(model, run_dir) as rec:
-        for step in range(steps):
-            x = torch.randn(8, 12, 16, generator=g)
-            loss = (model(x) - x[:, 0, :1]).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if each_step:
-                each_step(step, model)
-            rec.step(loss=loss)
+    training.train(model, run_dir, steps, _inputs_as_targets((8, 12, 16)),
+                   lambda out, x: (out - x[:, 0, :1]).pow(2).mean(),
+                   optimizer=torch.optim.Adam(model.parameters(), 1e-3), after_update=_each_step(model, each_step))
     return load(run_dir)
 
 

@@ -5,7 +5,8 @@ import json
 import torch
 from torch import nn
 
-from torchautopsy import Recorder, load
+from tests import training
+from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
 
 
@@ -21,20 +22,20 @@ def train(run_dir, model, steps=60, lr=0.05, step_before_zero_grad=True, loss_sc
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
-    with Recorder(model, run_dir) as rec:
-        for step in range(steps):
-            x = torch.randn(32, 8, generator=g)
-            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            if loss_scale:
-                loss = loss * loss_scale(step)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if step_before_zero_grad:
-                rec.step(loss=loss)
-            else:
-                opt.zero_grad(set_to_none=True)  # the mistake: gradients gone before rec.step()
-                rec.step(loss=loss)
+
+    def batch(step):
+        x = torch.randn(32, 8, generator=g)
+        return x, x, step
+
+    def loss_fn(out, x, step):
+        loss = (out - x.sum(1, keepdim=True)).pow(2).mean()
+        return loss * loss_scale(step) if loss_scale else loss
+
+    def zero_grad_too_early(step, loss):
+        opt.zero_grad(set_to_none=True)  # the mistake: gradients gone before rec.step()
+
+    training.train(model, run_dir, steps, batch, loss_fn, optimizer=opt,
+                   after_update=None if step_before_zero_grad else zero_grad_too_early)
     return load(run_dir)
 
 

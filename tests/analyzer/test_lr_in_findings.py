@@ -10,6 +10,7 @@ from torch import nn
 
 import torchautopsy
 from tests.helpers import run_cli
+from tests.training import squared_error, train
 
 
 def _train(run_dir, lr_at, steps: int = 60) -> None:
@@ -18,17 +19,12 @@ def _train(run_dir, lr_at, steps: int = 60) -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=lr_at(0))
     g = torch.Generator().manual_seed(0)
-    with torchautopsy.Recorder(model, run_dir, profile_steps=0) as rec:
-        for s in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(s)
-            x = torch.randn(64, 16, generator=g)
-            y = torch.sin(x[:, :1]) * 3
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+
+    def batch(step):
+        x = torch.randn(64, 16, generator=g)
+        return x, torch.sin(x[:, :1]) * 3
+
+    train(model, run_dir, steps, batch, squared_error, optimizer=opt, lr_at=lr_at, profile_steps=0)
 
 
 def _findings(run_dir, tmp_path) -> list[dict]:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchautopsy import Recorder, load
+from tests.training import train
+from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
 
 
@@ -19,15 +20,8 @@ def _record(run_dir, model, batch, loss_fn, steps, lr, opt="sgd"):
     o = (torch.optim.SGD(model.parameters(), lr=lr) if opt == "sgd"
          else torch.optim.Adam(model.parameters(), lr=lr))
     losses = []
-    with Recorder(model, run_dir) as rec:
-        for step in range(steps):
-            x, y = batch(step)
-            loss = loss_fn(model(x), y, step)
-            o.zero_grad()
-            loss.backward()
-            o.step()
-            rec.step(loss=loss)
-            losses.append(float(loss.detach()))
+    train(model, run_dir, steps, lambda step: (*batch(step), step), loss_fn, optimizer=o,
+          after_step=lambda step, loss: losses.append(float(loss.detach())))
     return analyze(load(run_dir)), losses
 
 
@@ -222,19 +216,21 @@ def _classifier_with_lr_jump(run_dir, jump: float):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(8, 4, generator=g)
     losses = []
-    with Recorder(model, run_dir) as rec:
-        for step in range(130):
-            if step == 100:
-                for group in opt.param_groups:
-                    group["lr"] *= jump
-            x = torch.randn(64, 8, generator=g)
-            y = (x @ w).argmax(1)
-            loss = -torch.log(torch.softmax(model(x), -1)).gather(1, y[:, None]).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
-            losses.append(float(loss.detach()))
+
+    def lr_jump(step):
+        if step == 100:
+            for group in opt.param_groups:
+                group["lr"] *= jump
+
+    def batch(step):
+        x = torch.randn(64, 8, generator=g)
+        return x, (x @ w).argmax(1)
+
+    def hand_written(out, y):
+        return -torch.log(torch.softmax(out, -1)).gather(1, y[:, None]).mean()
+
+    train(model, run_dir, 130, batch, hand_written, optimizer=opt, before_step=lr_jump,
+          after_step=lambda step, loss: losses.append(float(loss.detach())))
     return analyze(load(run_dir)), losses
 
 

@@ -13,7 +13,8 @@ import h5py
 import torch
 from torch import nn
 
-from torchautopsy import Recorder, load
+from tests.training import squared, train
+from torchautopsy import load
 from torchautopsy.analyzer import memory_snapshot
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import format as reader_format
@@ -50,19 +51,16 @@ def _recorded_run() -> str:
     torch.manual_seed(0)
     model = Attn()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    run = tempfile.mkdtemp(prefix="schema_")
-    with Recorder(model, run, activations_every=1, activity_window=5, histogram_every=5,
-                  sample_every=5, census_every=5, update_ratio_every=5, snapshot_every=10) as rec:
-        for step in range(30):
-            x = torch.randn(4, 6, 8)
-            if step == 25:
-                x[0, 0, 0] = float("nan")
-            loss = (model(x) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss)
-    return run
+
+    def batch(step):
+        x = torch.randn(4, 6, 8)
+        if step == 25:
+            x[0, 0, 0] = float("nan")
+        return x
+
+    return train(model, tempfile.mkdtemp(prefix="schema_"), 30, batch, squared, optimizer=opt, activations_every=1,
+                 activity_window=5, histogram_every=5, sample_every=5, census_every=5, update_ratio_every=5,
+                 snapshot_every=10)
 
 
 def test_every_dataset_the_analyzer_reads_is_one_the_writer_writes(monkeypatch):

@@ -28,20 +28,12 @@ def real_trace(tmp_path_factory):
     torch = pytest.importorskip("torch")
     from torch import nn
 
-    from torchautopsy import Recorder
+    from tests.training import train
 
     run_dir = tmp_path_factory.mktemp("real")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    rec = Recorder(model, run_dir)
-    for _ in range(12):
-        loss = ((model(torch.randn(16, 4)) - 1) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        rec.step(loss)
-    rec.close()
+    train(model, run_dir, 12, lambda step: torch.randn(16, 4), lambda out: ((out - 1) ** 2).mean())  # SGD, lr 0.01
     return run_dir / "rank0.h5"
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchautopsy import Recorder, load
+from tests import training
+from torchautopsy import load
 
 
 def mlp(d_in: int = 8, width: int = 32, depth: int = 2, d_out: int = 1) -> nn.Sequential:
@@ -65,16 +66,6 @@ def train(run_dir, model: nn.Module, opt: torch.optim.Optimizer, steps: int, dat
           pass_loss=True):
     """Train ``model`` with the Recorder on; ``lr_at(step)`` sets the learning rate of each step;
     ``pass_loss`` (a bool, or a function of the step) says whether rec.step() gets the loss."""
-    with Recorder(model, run_dir) as rec:
-        for step in range(steps):
-            if lr_at is not None:
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step)
-            x, y, loss_fn = data(step)
-            loss = loss_fn(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            given = pass_loss(step) if callable(pass_loss) else pass_loss
-            rec.step(loss=loss) if given else rec.step()
+    training.train(model, run_dir, steps, data, lambda out, y, loss_fn: loss_fn(out, y), optimizer=opt,
+                   lr_at=lr_at, pass_loss=pass_loss)
     return load(run_dir)

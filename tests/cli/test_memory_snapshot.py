@@ -21,6 +21,7 @@ from torchautopsy import Recorder, load
 from torchautopsy.analyzer.memory_snapshot import history_peak, live_sites, oom_request, snapshot_dict
 from tests.cli.test_bad_input import assert_one_line_error
 from tests.helpers import run_cli
+from tests.training import train
 
 MiB = 2**20
 TRAIN = "/home/user/train.py"
@@ -260,14 +261,9 @@ def test_a_cpu_out_of_memory_error_leaving_the_recorder_is_an_error_finding(tmp_
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept = []
     with pytest.raises(RuntimeError, match="can't allocate memory"):
-        with Recorder(model, tmp_path / "run", profile_steps=0) as rec:
-            for _ in range(30):
-                kept.append(torch.zeros(512, 1024))  # 2 MiB a step, kept: the largest group
-                loss = model(torch.randn(8, 16)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                rec.step(loss=loss)
+        # 2 MiB a step, kept: the largest group
+        train(model, tmp_path / "run", 30, lambda step: torch.randn(8, 16), optimizer=opt, profile_steps=0,
+              before_step=lambda step: kept.append(torch.zeros(512, 1024)))
     out = tmp_path / "f.json"
     r = run_cli("analyze", tmp_path / "run", "--json", out, "--fail-on", "error")
     assert r.returncode == 1, r.stderr

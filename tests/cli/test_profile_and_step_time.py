@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchautopsy import Recorder, load
 from tests.helpers import run_cli
+from tests.training import train as train_on
 
 
 class Sleepy(Dataset):
@@ -187,16 +188,14 @@ def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
     model = nn.Sequential(nn.Linear(16, 64), SleepsAt(30, 0.3), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     live = [[i] for i in range(1_000_000)]  # a job with many live Python objects
-    with Recorder(model, tmp_path / "run", profile_first=5, profile_steps=2) as rec:
-        for step in range(50):
-            if step == 20:  # full collections between two steps, each walking every object
-                for _ in range(3):
-                    gc.collect()
-            loss = model(torch.randn(64, 16)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+
+    def collect(step):
+        if step == 20:  # full collections between two steps, each walking every object
+            for _ in range(3):
+                gc.collect()
+
+    train_on(model, tmp_path / "run", 50, lambda step: torch.randn(64, 16), optimizer=opt, before_step=collect,
+             profile_first=5, profile_steps=2)
     found, _ = findings(tmp_path / "run", tmp_path)
     (f,) = [f for f in found if f["kind"] == "slow_steps"]
     by_step = {d["step"]: d for d in f["evidence"]["slowest"]}
@@ -253,14 +252,8 @@ def test_the_steps_slowed_by_exporting_a_profiler_window_are_the_recorders_not_t
     torch.manual_seed(0)
     model = nn.GRU(16, 128, batch_first=True)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    with Recorder(model, tmp_path / "run") as rec:
-        for _ in range(60):
-            out, _ = model(torch.randn(16, 50, 16))
-            loss = out[:, -1].pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    train_on(model, tmp_path / "run", 60, lambda step: torch.randn(16, 50, 16),
+             lambda out: out[0][:, -1].pow(2).mean(), optimizer=opt, hold_output=True)  # out: (outputs, hidden state)
     rt = load(tmp_path / "run").ranks[0]
     (window,) = rt.profile_windows.to_dict("records")
     times = rt.steps["time_s"]

@@ -20,6 +20,7 @@ from torchautopsy.recorder.histograms import N_BINS, NAN_BIN, NEG_INF_BIN, POS_I
 
 from tests.helpers import run_cli
 from tests.recorder.recorder_testlib import Net
+from tests.training import train
 
 BAD_STEP = 7
 
@@ -213,18 +214,11 @@ def test_disk_budget_honoured_on_a_long_run(tmp_path):
     """300 steps, a snapshot every 10: the ring keeps the first and the newest within budget."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     one = sum(p.numel() * 4 for p in model.parameters())  # 2,388 floats: 9,552 bytes
     budget = 5 * one + 100
-    with Recorder(model, tmp_path / "run", snapshot_every=10, snapshot_budget_bytes=budget,
-                  histogram_every=0, sample_every=0, profile_steps=0) as rec:
-        for step in range(300):
-            x = torch.randn(8, 32)
-            loss = model(x).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    train(model, tmp_path / "run", 300, lambda step: torch.randn(8, 32), lambda out: out.square().mean(),
+          snapshot_every=10, snapshot_budget_bytes=budget, histogram_every=0, sample_every=0,
+          profile_steps=0)  # SGD, lr 0.01
     with h5py.File(tmp_path / "run" / "rank0.h5") as f:
         assert f["snapshots/bytes"].shape[0] <= budget
         assert f["snapshots/step"].shape[0] == 31  # 30 scheduled + step 0; 300 is also 30 x 10

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchautopsy import Recorder, load
+from tests.training import train
+from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
 
 BAD = 7  # not a watched step with activations_every=10: found by the replay
@@ -70,19 +71,10 @@ def _batch(step: int, zero_at: int | None = None, negative_at: int | None = None
     return x, torch.randn(16, 1, generator=g)
 
 
-def _train(model, steps=10, loss_fn=None, batch=_batch, **options) -> list:
+def _train(model, steps=10, loss_fn=F.mse_loss, batch=_batch, **options) -> list:
     torch.manual_seed(0)
-    run = tempfile.mkdtemp(prefix="naninf_")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with Recorder(model, run, **options) as rec:
-        for step in range(steps):
-            x, y = batch(step)
-            out = model(x)
-            loss = F.mse_loss(out, y) if loss_fn is None else loss_fn(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    run = train(model, tempfile.mkdtemp(prefix="naninf_"), steps, batch, loss_fn,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), hold_output=True, **options)
     bad = [f for f in analyze(load(run)) if f.kind == "nonfinite"]
     assert len(bad) == 1, bad
     return bad[0]

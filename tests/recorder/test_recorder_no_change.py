@@ -8,28 +8,21 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from torchautopsy import Recorder
 
 from recorder_testlib import batch, build, train_step
+from tests.training import train
 
 N_STEPS = 20
 
 
 def _run(kind, run_dir=None, **options):
     model, opt = build(kind, seed=123)
-    rec = Recorder(model, run_dir, **options) if run_dir is not None else None
     losses = []
-    try:
-        for step in range(N_STEPS):
-            x, y = batch(kind, step)
-            loss = train_step(model, opt, x, y)
-            if rec is not None:
-                rec.step(loss=loss)
-            losses.append(loss.detach().clone())
-    finally:
-        if rec is not None:
-            rec.close()
+    train(model, run_dir, N_STEPS, lambda step: batch(kind, step), F.cross_entropy, optimizer=opt,
+          after_step=lambda step, loss: losses.append(loss.detach().clone()), **options)
     return torch.stack(losses), model.state_dict()
 
 

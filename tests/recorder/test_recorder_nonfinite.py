@@ -14,6 +14,7 @@ from torch import nn
 from torchautopsy import Recorder
 
 from recorder_testlib import names, open_trace
+from tests.training import train
 
 NAN_STEP = 5
 
@@ -76,22 +77,17 @@ def how(request):
     return HOW[request.param]
 
 
+def _batch(step):
+    """The batch of a step, the same in every run, drawing nothing from torch's own RNG."""
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+
 def _train(model, run_dir, n_steps, batch_fn=None, before_step=None, **options):
+    def batch(step):
+        return batch_fn(step, _batch(step)) if batch_fn else _batch(step)
+
     torch.manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Recorder(model, run_dir, **options) as rec:
-        for step in range(n_steps):
-            if before_step:
-                before_step(step)
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(4, 8, generator=g)
-            if batch_fn:
-                x = batch_fn(step, x)
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    train(model, run_dir, n_steps, batch, before_step=before_step, **options)  # SGD, lr 0.01
     with open_trace(run_dir / "rank0.h5") as f:
         return (names(f["modules/name"]), f["steps/nonfinite_origin"][:], f["steps/batch_nonfinite"][:],
                 f["modules/output_absmax"][:])
@@ -343,19 +339,9 @@ class DropoutNaN(nn.Module):
 def _dropout_run(run_dir):
     torch.manual_seed(0)
     model = DropoutNaN()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
-    rec = Recorder(model, run_dir) if run_dir is not None else None
-    for step in range(NAN_STEP + 3):
-        loss = model(torch.randn(4, 8)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if rec is not None:
-            rec.step(loss=loss)
-        losses.append(loss.item())
-    if rec is not None:
-        rec.close()
+    train(model, run_dir, NAN_STEP + 3, lambda step: torch.randn(4, 8),
+          after_step=lambda step, loss: losses.append(loss.item()))  # SGD, lr 0.01
     return model, losses, torch.get_rng_state()
 
 
@@ -433,20 +419,16 @@ def _rng_run(run_dir, nan_step, dropout_from=None):
 
     torch.manual_seed(0)
     model = DropoutLater(nan_step)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     states = []
-    with Recorder(model, run_dir, histogram_every=0, sample_every=0, snapshot_every=0) as rec:
-        for step in range(nan_step + 2):
-            torch.randn(3)  # the data pipeline's draw
-            if step == dropout_from:
-                model.drop.p = 0.5
-            states.append(torch.get_rng_state())
-            g = torch.Generator().manual_seed(step)
-            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+
+    def before_step(step):
+        torch.randn(3)  # the data pipeline's draw
+        if step == dropout_from:
+            model.drop.p = 0.5
+        states.append(torch.get_rng_state())
+
+    train(model, run_dir, nan_step + 2, _batch, before_step=before_step, histogram_every=0, sample_every=0,
+          snapshot_every=0)  # SGD, lr 0.01
     out = run_dir.parent / "blackbox.safetensors"
     r = run_cli("export", run_dir, "--tensors", "blackbox", out, block_torch=True)
     assert r.returncode == 0, r.stderr

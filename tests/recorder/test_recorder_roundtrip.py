@@ -18,6 +18,7 @@ from torchautopsy import Recorder
 from torchautopsy.recorder.planner import StepPlanner
 
 from recorder_testlib import WATCHED, attr_str, batch, build, hooks_left, names, open_trace
+from tests.training import train
 
 N_STEPS = 12  # two activation / update-ratio samples at the default schedule: steps 0 and 10
 
@@ -378,16 +379,13 @@ def test_plain_steps_of_a_partly_frozen_model_record_the_same_norms(tmp_path, fr
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad or frozen_in_optimizer],
                           lr=0.1, momentum=0.9)
     ref = []
-    with Recorder(model, tmp_path / "run") as rec:
-        for step in range(8):
-            x, y = batch("mlp", step)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ref.append([torch.linalg.vector_norm(p.grad).item() if p.grad is not None else np.nan
-                        for p in model.parameters()])
-            rec.step(loss=loss)
+
+    def norms(step, loss):
+        ref.append([torch.linalg.vector_norm(p.grad).item() if p.grad is not None else np.nan
+                    for p in model.parameters()])
+
+    train(model, tmp_path / "run", 8, lambda step: batch("mlp", step), F.cross_entropy, optimizer=opt,
+          after_update=norms)
     with open_trace(tmp_path / "run" / "rank0.h5") as f:
         np.testing.assert_allclose(f["params/grad_norm"][:], ref, rtol=1e-5)
         assert np.isnan(f["params/grad_norm"][:, :2]).all()

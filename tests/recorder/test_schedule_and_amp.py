@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import torchautopsy
 from tests.helpers import run_cli
+from tests.training import squared_error, train
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -38,15 +39,9 @@ def test_lr_and_hyperparams_are_those_each_update_used(tmp_path):
         lambda o, a, k: used.append([(g["lr"], g["momentum"]) for g in o.param_groups]) if o is opt else None)
     g = torch.Generator().manual_seed(0)
     try:
-        with torchautopsy.Recorder(model, tmp_path, profile_steps=0) as rec:
-            for _ in range(30):
-                x, y = _batch(g)
-                loss = ((model(x) - y) ** 2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                sched.step()  # after the update, before rec.step(): the usual order
-                rec.step(loss=loss)
+        # sched.step() after the update, before rec.step(): the usual order
+        train(model, tmp_path, 30, lambda step: _batch(g), squared_error, optimizer=opt,
+              after_update=lambda step, loss: sched.step(), profile_steps=0)
     finally:
         handle.remove()
     rt = torchautopsy.load(tmp_path).ranks[0]
@@ -186,18 +181,15 @@ def _watched_after(tmp_path, name: str, jump_at: int, lr_jump: float = 1.0, data
     model = _mlp(1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(3)
+
+    def jump(step):
+        if step == jump_at:
+            for group in opt.param_groups:
+                group["lr"] *= lr_jump
+
     # watch_budget tiny: after the warm-up the schedule is as sparse as it goes (50 apart)
-    with torchautopsy.Recorder(model, tmp_path / name, watch_budget=1e-6) as rec:
-        for step in range(steps):
-            if step == jump_at:
-                for group in opt.param_groups:
-                    group["lr"] *= lr_jump
-            x, y = _batch(g, data_jump if step >= jump_at else 1.0)
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    train(model, tmp_path / name, steps, lambda step: _batch(g, data_jump if step >= jump_at else 1.0),
+          squared_error, optimizer=opt, before_step=jump, watch_budget=1e-6)
     watched = torchautopsy.load(tmp_path / name).ranks[0].sample_steps("activations")
     return [int(s) for s in watched if s > 100]
 

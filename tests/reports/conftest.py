@@ -12,7 +12,8 @@ from torch import nn
 
 from browser import Browser, find_chromium
 from reports_testlib import HOSTILE_IMG, HOSTILE_LONG, HOSTILE_SCRIPT, HOSTILE_UNICODE
-from torchautopsy import Recorder, load
+from tests.training import squared, squared_error, train
+from torchautopsy import load
 
 N_STEPS = 30
 
@@ -29,14 +30,7 @@ def record(model: nn.Module, run_dir, lr: float, steps: int = N_STEPS) -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 8) * 3
     y = (x ** 2).sum(1, keepdim=True)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    with Recorder(model, run_dir) as rec:
-        for _ in range(steps):
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    train(model, run_dir, steps, (x, y), squared_error, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
 
 
 @pytest.fixture(scope="session")
@@ -135,15 +129,7 @@ def wide_many_dir(tmp_path_factory):
     model = nn.Sequential(*layers)
     x = torch.randn(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    run_dir = tmp_path_factory.mktemp("wide_many")
-    with Recorder(model, run_dir) as rec:
-        for _ in range(6):
-            loss = (model(x) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
-    return run_dir
+    return train(model, tmp_path_factory.mktemp("wide_many"), 6, x, squared, optimizer=opt)
 
 
 @pytest.fixture(scope="session")
@@ -154,15 +140,7 @@ def long_dir(tmp_path_factory):
     x = torch.randn(16, 4)
     y = x.sum(1, keepdim=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    run_dir = tmp_path_factory.mktemp("long")
-    with Recorder(model, run_dir) as rec:
-        for _ in range(3000):
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
-    return run_dir
+    return train(model, tmp_path_factory.mktemp("long"), 3000, (x, y), squared_error, optimizer=opt)
 
 
 @pytest.fixture(scope="session")

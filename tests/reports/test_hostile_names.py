@@ -22,7 +22,7 @@ from torch import nn
 
 from reports_testlib import pdf_pages_text, squeeze
 from tests.helpers import run_cli
-from torchautopsy import Recorder
+from tests.training import squared_error, train
 
 SCRIPT = "<script>alert(1)</script>"
 IMG = "<img src=x onerror=alert(1)>"
@@ -62,14 +62,7 @@ def hostile_run(tmp_path_factory):
         model[2].bias.fill_(-100.0)  # the ReLU after it never fires: no gradient reaches the weights
     x, y = torch.randn(64, 8), torch.randn(64, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    run_dir = tmp_path_factory.mktemp("hostile_names")
-    with Recorder(model, run_dir) as rec:
-        for _ in range(40):
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+    run_dir = train(model, tmp_path_factory.mktemp("hostile_names"), 40, (x, y), squared_error, optimizer=opt)
     with h5py.File(run_dir / "rank0.h5", "r+") as f:
         for key in ("modules/name", "params/name", "tensors/name"):
             _rewrite(f, key, [_renamed(n.decode()) for n in f[key][()]])

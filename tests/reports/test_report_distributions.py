@@ -8,7 +8,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from torchautopsy import Recorder, load
+from tests.training import train
+from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.reports import build_report, render_html, render_markdown, render_pdf
 
@@ -28,15 +29,14 @@ def nan_trace(tmp_path_factory):
     model.add_module("<b>exp</b>", Exp())
     model.add_module("out", nn.Linear(12, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with Recorder(model, run_dir, histogram_every=2, snapshot_every=5, profile_steps=0) as rec:
-        for step in range(30):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(8, 6, generator=g) * (1e3 if step == 12 else 1)
-            loss = F.cross_entropy(model(x), torch.randint(0, 3, (8,), generator=g))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rec.step(loss=loss)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 6, generator=g) * (1e3 if step == 12 else 1)
+        return x, torch.randint(0, 3, (8,), generator=g)
+
+    train(model, run_dir, 30, batch, F.cross_entropy, optimizer=opt, histogram_every=2, snapshot_every=5,
+          profile_steps=0)
     return load(run_dir)
 
 
