@@ -22,10 +22,10 @@ _PARAMS = operator.itemgetter("params")
 
 
 class GradientNorms:
-    def __init__(self, params: list, grad_of):
+    def __init__(self, params: list, param_index: dict[int, int], grad_of):
         self._params = params
         self._grad_of = grad_of  # a parameter's gradient (its local shard under FSDP2: sharding.py)
-        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._param_index = param_index  # id(parameter) -> its index
         self._all_index = list(range(len(params)))  # the indices of an optimizer of them all
         # This step's norms, one entry per optimizer step: (param indices, gradients, their
         # versions, norms, all finite).

@@ -13,27 +13,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import functional
+from . import functional, optimizer_hooks, resume, sharding
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
+from .blackbox import BlackBox
 from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
-from .histograms import N_BINS, spread
 from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
+from .histograms import N_BINS, spread
 from .hooks import ModuleWatcher
-from .param_stats import ParamStats
-from .nan_origin import NanOrigin, loss_is_bad
 from .memory_probe import MemoryProbe
-from .profiler import ProfilerWindows
-from . import optimizer_hooks, resume, sharding
+from .nan_origin import NanOrigin, loss_is_bad
+from .param_stats import ParamStats
 from .planner import StepPlanner
+from .profiler import ProfilerWindows
 from .schedule import OptimizerSchedule
-from .stats import Packer
-from .trace_header import trace_header
-from .blackbox import BlackBox
-from .tensors import Samples, Snapshots
 from .schema import table_layout
+from .stats import Packer
+from .tensors import Samples, Snapshots
+from .trace_header import trace_header
 from .writer import TraceWriter
 
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
@@ -110,7 +109,7 @@ class Recorder:
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
-        self.norms = GradientNorms(self._params, self._grad_of)
+        self.norms = GradientNorms(self._params, self._param_index, self._grad_of)
         self._param_name_by_id = {id(p): n for n, p in named}
         if self.config.sample_modules is not None:
             known = {n for n, _ in model.named_modules()}
