@@ -14,6 +14,7 @@ from ..analyzer.config import AnalysisConfig
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding
 from ..analyzer.trace import UNMEASURED_IS_NEGATIVE, RankTrace, Trace, measured_rows
+from ..analyzer.trace.gradients import weight_tensors
 from . import plots
 from .model import Figure
 
@@ -84,8 +85,7 @@ class Context:
 
     def weights(self, rt: RankTrace) -> list[str]:
         """Weight matrices and kernels (2+ dimensions), or every parameter if there are none."""
-        names = [n for n, s in zip(rt.param_names, rt.param_shapes) if len(s) >= 2]
-        return names or list(rt.param_names)
+        return [rt.param_names[j] for j in weight_tensors(rt)] or list(rt.param_names)
 
     # -- what figures share -----------------------------------------------------------------------
     def span(self, rt: RankTrace) -> tuple[float, float] | None:
