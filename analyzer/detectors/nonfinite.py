@@ -107,6 +107,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     # 1: the gradient at the model's outputs was NaN/Inf (measured on a watched step, or told by
     # the replay's backward); 0: it was finite, the model's backward made it; -1: not known.
     out_grad = int(steps["output_grad_nonfinite"].iloc[i])
+    from_above = False  # (backward) every gradient went bad: it came in at the outputs or above
     # The loss function on this step, read by the recorder from its graph (loss_graph.py):
     # whether the model's own outputs were finite, and the loss's ops.
     check = rt.loss_checks.get(step, {})
@@ -163,7 +164,8 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
         forward = f"the forward pass of step {step} was finite" if checked else f"the loss of step {step} was finite"
         what = (f"{forward} but the gradient of {rt.param_names[first]} went non-finite "
                 f"({len(bad_params)} parameter(s) with NaN/Inf gradients)")
-        if out_grad == -1 and _entered_at_outputs(rt, i, grad_bad):
+        from_above = out_grad == -1 and _entered_at_outputs(rt, i, grad_bad)
+        if from_above:
             # Every gradient, the ones backward reaches first included: the NaN/Inf came in at or
             # above the last layer. This step did not tell whether the gradient at the outputs
             # was already non-finite (a watched step, or the replay's backward, would).
@@ -179,7 +181,7 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     summary = (f"First NaN/Inf at step {step}: {what}; "
                f"{n_bad_steps} of the {len(idx) - i} steps recorded from then on are non-finite.")
     advice = _ADVICE[stage]
-    if stage in ("loss", "loss_backward") or (stage == "backward" and "loss function's backward" in what):
+    if stage in ("loss", "loss_backward") or (stage == "backward" and from_above):
         advice = _loss_ops.advice(ops) + advice
     return [Finding(KIND, "error", step, where, summary, evidence, advice)]
 
