@@ -36,7 +36,7 @@ def kind_of(rec) -> str:
         parts.append("update")
     if rec.activity.window_ends(s):
         parts.append("window")
-    if rec.snapshots is not None and rec.snapshots.due(s + 1):
+    if rec.captures.snapshots is not None and rec.captures.snapshots.due(s + 1):
         parts.append("snap")
     return "+".join(parts) or "plain"
 
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
             else:
                 loss.item()
             end = clock()
-            if is_recorded and rec._last_census == i:
+            if is_recorded and rec.memory._last_census == i:
                 kind += "+census"
             if keep and is_recorded:
                 recorded[kind].append(end - t)

@@ -182,9 +182,16 @@ class ActivityTracker:
         self.steps_watched = 0
         return row
 
-    def has_open_window(self, step: int) -> bool:
-        """True if steps after the last written window were recorded (up to `step`)."""
-        return self._window_start <= step
+    def final_rows(self, step: int) -> dict | None:
+        """At close: the rows of the last, partial window ending at ``step`` (a short run gets
+        one too), or None if no step after the last written window was recorded."""
+        if step < 0 or self._window_start > step:
+            return None
+        pk = Packer()
+        with torch.no_grad():
+            self.pack(pk)
+            host = pk.fetch()
+        return {"activity": self.finish_window(step, host), "activity_sites": self.take_new_sites()}
 
     def take_new_sites(self) -> list[dict]:
         new, self._new_sites = self._new_sites, []

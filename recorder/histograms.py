@@ -116,3 +116,11 @@ def spread(n: int, limit: int) -> list[int]:
     if n <= limit:
         return list(range(n))
     return sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
+
+
+def histogram_tensors(n_params: int, is_leaf: list[bool], limit: int) -> tuple[list[int], list[int]]:
+    """(parameter indices, module indices) whose histograms are taken: every parameter and leaf
+    module (the root, if it is the only module), or an even spread of at most ``limit`` of each
+    over the model's depth."""
+    leaves = [i for i, leaf in enumerate(is_leaf) if leaf and i > 0 or len(is_leaf) == 1]
+    return spread(n_params, limit), [leaves[k] for k in spread(len(leaves), limit)]

@@ -160,13 +160,13 @@ def begin(rec) -> None:
         _align(rec, s)
     rec._set_schedule(s)
     rec.profiler.begin(s)
-    if rec.snapshots is None:
+    if rec.captures.snapshots is None:
         return
     if state.auto:  # its step is not known yet: copied now, written once known
-        state.held = rec.snapshots.take(s)
-        rec._last_snapshot = s
-    elif rec.snapshots.due(s) or s:  # every attempt keeps the state it started from
-        rec._snapshot(s)
+        state.held = rec.captures.snapshots.take(s)
+        rec.captures.last_snapshot = s
+    elif rec.captures.snapshots.due(s) or s:  # every attempt keeps the state it started from
+        rec.captures.snapshot(s)
 
 
 def _align(rec, s: int) -> None:
@@ -249,13 +249,13 @@ def _resume_at(rec, s: int) -> None:
     state = rec._resume
     rec._step = s
     _align(rec, s)
-    if rec.snapshots is not None:
-        if state.held is not None and rec.snapshots.count == 1:
-            rec.snapshots.count = 0  # its slot was never written: the new one takes slot 0
+    if rec.captures.snapshots is not None:
+        if state.held is not None and rec.captures.snapshots.count == 1:
+            rec.captures.snapshots.count = 0  # its slot was never written: the new one takes slot 0
         state.held = None
         # The parameters at the start of step s, now that a checkpoint has been loaded (the
         # buffers after this step's forward: BatchNorm statistics moved by one batch).
-        rec._snapshot(s)
+        rec.captures.snapshot(s)
 
 
 def _hand_over(rec) -> None:

@@ -293,7 +293,7 @@ def test_optimizer_hook_removed_and_others_ignored(tmp_path):
         assert len(_global_optimizer_pre_hooks) == before + 1
         other(torch.full((1, 2), float("nan"))).sum().backward()
         other_opt.step()  # NaN gradients, but not the watched model's
-        assert rec.blackbox.armed
+        assert rec.captures.armed
     assert len(_global_optimizer_pre_hooks) == before
 
 
@@ -314,7 +314,7 @@ def test_skipped_optimizer_step_does_not_fire_and_budget_too_small(tmp_path):
             else:
                 opt.step()
             rec.step(loss=loss)
-        assert rec.blackbox.armed
+        assert rec.captures.armed
     rt = load(tmp_path / "run").ranks[0]
     assert len(rt.blackbox) == 0 and len(rt.snapshots) == 0
     assert int(rt.param_stat("grad_nonfinite")["fc1.weight"].iloc[3]) == 1  # still recorded

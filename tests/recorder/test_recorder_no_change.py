@@ -77,7 +77,7 @@ def test_blackbox_firing_changes_nothing(tmp_path):
             losses.append(loss.detach().clone())
         if rec is not None:
             rec.close()
-            assert not rec.blackbox.armed
+            assert not rec.captures.armed
         return torch.stack(losses), model.state_dict()
 
     base_losses, base_state = run(None)

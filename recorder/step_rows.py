@@ -1,0 +1,171 @@
+"""One rec.step(): what the probes measured on the device goes to the host in one transfer and
+becomes the step's rows (steps/ and the tables the probes fill), queued for the writer thread.
+The Recorder (recorder.py) decides when; this is the work of each step."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .captures import trigger
+from .histograms import N_BINS
+from .nan_origin import loss_is_bad
+from .stats import Packer
+
+
+class StepRows:
+    def __init__(self, *, watcher, param_stats, norms, activity, attention, origin, memory, clock, planner,
+                 profiler, captures, schedule, writer, params: list, device):
+        self.watcher, self.param_stats, self.norms = watcher, param_stats, norms
+        self.activity, self.attention, self.origin = activity, attention, origin
+        self.memory, self.clock, self.planner, self.profiler = memory, clock, planner, profiler
+        self.captures, self.schedule, self.writer = captures, schedule, writer
+        self._params = params
+        self.device = device  # the model's, as of the last recorded step
+        self.loss_given = False
+        # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
+        self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
+
+    def plain(self, step: int, loss, t_called: float, watched: bool, sched: tuple) -> bool:
+        """Record a plain step, most of them: not watched, no sampled update ratio, activity
+        window, profiler window or snapshot, its gradient norms already on the host (the
+        optimizer step pre-hook), loss and norms finite. Right after a training step every line
+        of Python runs cold (a numpy call there costs ~50 us, measured), so this does as little
+        as it can: the loss's one transfer, a row of host values; the writer thread makes
+        float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
+        next_update = self.planner.next_update
+        if (watched or self.profiler.prof is not None or step == next_update
+                or step + 1 == next_update or step >= self.activity.last_step):  # (window_ends)
+            return False
+        norms = self.norms.cached()
+        if norms is None:
+            return False
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                return False
+            loss_value = loss.item()
+        else:
+            loss_value = float("nan") if loss is None else float(loss)
+        if loss is not None and not math.isfinite(loss_value):
+            return False  # a bad step is measured in full
+        self.loss_given = loss is not None
+        mods = self.unwatched  # (no module hooked: nothing to finish)
+        ps = self.param_stats
+        self._write(step, t_called, loss_value, mods, sched, {
+            "params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
+                       "param_norm": ps.unmeasured},
+            "modules": {"output_absmax": mods["output_absmax"]}})
+        self.captures.end_step(step)
+        return True
+
+    def record(self, step: int, loss, t_called: float, watched: bool, sched: tuple) -> None:
+        """Record any other step: everything measured on the device goes to the host in one
+        transfer, is made into the step's rows and queued; the black box fires if the step broke."""
+        if watched and self.captures.blackbox is not None:
+            self.captures.blackbox.check_rng()
+        ps = self.param_stats
+        pk = Packer()
+        with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
+            ps.pack(pk, step, watched, self.watcher.sample_histograms)
+            self.watcher.pack(pk)
+            window_ends = self.activity.window_ends(step)
+            if window_ends:
+                self.activity.pack(pk)
+            self.attention.pack(pk)
+            if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
+                if pk.empty:
+                    loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
+                else:
+                    pk.add("loss", loss.detach().reshape(-1)[:1])
+            host = pk.fetch()
+            grads_bad = ps.grads_nonfinite(host)
+            if not isinstance(loss, torch.Tensor) or "loss" in host:
+                loss_value = _loss_value(loss, host)
+            # A step whose loss or gradients went NaN/Inf is measured in full, watched or not (a
+            # second transfer, on that step only).
+            bad_step = loss_is_bad(loss, loss_value) or grads_bad
+            if bad_step and not watched:
+                ps.measure_bad(host)
+            param_row, grad_bad = ps.finish(host, step, watched or bad_step)
+
+        hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
+        mods = self.watcher.finish_step(host, len(self.watcher.names))
+        self.loss_given = loss is not None
+        if not watched and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:
+            self.origin.replay(self.captures.blackbox)  # a NaN/Inf no optimizer step saw first: find its module now
+        mods = self.origin.merge(mods, loss_is_bad(loss, loss_value))
+        if self._params:  # (model.to() keeps the Parameter objects)
+            self.device = self._params[0].device
+        rows = {"params": param_row, "modules": {"output_absmax": mods["output_absmax"]}}
+        if bad_step or mods["origin"] >= 0:  # what the loss function did (loss_graph.py)
+            checks = self.origin.loss_check(step, loss, self.watcher.out_refs)
+            if checks:
+                rows["loss_checks"] = checks
+        if "acts" in mods:
+            rows["activations"] = {"step": step, **mods["acts"]}
+        rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
+        if window_ends:
+            rows["activity"] = self.activity.finish_window(step, host)
+        attn = self.attention.finish_step(step, host)
+        if attn is not None:
+            rows["attention"] = attn
+        # Sites first seen this step go in the same queue item as the rows that refer to them.
+        rows["activity_sites"] = self.activity.take_new_sites()
+        rows["attention_sites"] = self.attention.take_new_sites()
+        rows["module_outputs"] = self.watcher.take_new_shapes()
+        self._write(step, t_called, loss_value, mods, sched, rows)
+        task = self.profiler.end(step)
+        if task is not None:
+            self.writer.put_task(task)
+        bad = bad_step or mods["origin"] >= 0 or bool(mods["batch_nonfinite"])
+        self.captures.after_step(step, self.trigger(loss_value, grad_bad, mods) if bad else None,
+                                 self.origin.replayed["replay"] if self.origin.replayed else None)
+
+    def _write(self, step: int, t_called: float, loss_value: float, mods: dict, sched: tuple, rows: dict) -> None:
+        """Add the step's row of steps/ (loss, memory now, where NaN/Inf was born, the census,
+        GC time, the time split) to its rows and queue them, then a CUDA snapshot if one is due.
+        One dict, built once: right after a training step each call and dict update runs cold."""
+        mem = self.memory
+        alloc, reserved, peak, rss, n, nbytes, graphs, groups, gc_s, gc_gen2 = mem.read(step, self.device, t_called)
+        time_s = time.time()
+        self.planner.saw(step, loss_value, sched[0])
+        if groups:
+            rows["census_groups"] = [{"step": step, **g} for g in groups]
+        snapshot_task = mem.cuda_snapshot(step) if mem.cuda is not None else None
+        w = self.watcher
+        wait, between, forward, backward, own = self.clock.split(w.t_forward_start, w.t_forward_end, t_called)
+        w.t_forward_start = w.t_forward_end = None
+        w.out_refs = []
+        rows["steps"] = {
+            "step": step, "time_s": time_s, "loss": loss_value, "loss_given": int(self.loss_given), "rss_bytes": rss,
+            "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
+            "nonfinite_origin": mods["origin"], "batch_nonfinite": mods["batch_nonfinite"],
+            "nonfinite_consumer": mods.get("consumer", -1),
+            "output_grad_nonfinite": mods.get("output_grad_nonfinite", -1),
+            "live_tensors": n, "live_tensor_bytes": nbytes, "live_tensors_with_graph": graphs,
+            "gc_s": gc_s, "gc_gen2": gc_gen2,
+            "data_wait_s": wait, "between_steps_s": between, "forward_s": forward, "backward_s": backward,
+            "recorder_s": own,
+            "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2],
+        }
+        if sched[3] is not None:
+            rows.update(sched[3])
+        self.writer.put(rows)
+        if snapshot_task is not None:
+            self.writer.put_task(snapshot_task)
+
+    def trigger(self, loss_value: float, grad_bad, mods) -> str | None:
+        """Why the black box fires at rec.step() on this step, or None. Once an optimizer step of
+        this model was seen, its pre-hook judges the gradients (captures.trigger)."""
+        if not self.captures.armed:
+            return None
+        return trigger(self.loss_given, loss_value, grad_bad, mods,
+                       lambda: self.norms.saw_optimizer or self.schedule.scaler_skipped())
+
+
+def _loss_value(loss, host: dict) -> float:
+    if isinstance(loss, torch.Tensor):
+        return float(host["loss"][0]) if host["loss"].size else float("nan")
+    return float("nan") if loss is None else float(loss)
