@@ -4,9 +4,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 SEVERITIES = ("error", "warning", "info")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+class Evidence(TypedDict, total=False):
+    """The keys any finding's evidence may carry. Each detector declares its own keys in a
+    subclass named ``Evidence`` (its JSON contract); reports read only declared keys, and
+    tests/analyzer/test_evidence_contract.py holds both sides to it."""
+
+    stage: str  # where in the step it arose: one of STAGES
+    lacking: list  # a "not checked" finding: the datasets the trace lacks (run.py)
+    attempt: int  # a restarted rank: the attempt the finding is in (run.py)
+    file: str  # ... and that attempt's file
+    rerun_from_step: int  # ... and the step a later attempt resumed at, if it ran this one again
+
+
+def evidence_keys(evidence_type) -> frozenset[str]:
+    """The keys an Evidence TypedDict declares, its bases' included."""
+    return frozenset(evidence_type.__annotations__) | frozenset(Evidence.__annotations__)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,22 @@ from dataclasses import replace
 from .config import AnalysisConfig
 from .detectors import DETECTORS
 from .errors import TraceError
-from .findings import Finding, not_checked, sort_findings
+from .findings import Evidence, Finding, not_checked, sort_findings
 from .trace import Trace
+
+
+class AnalyzerErrorEvidence(Evidence, total=False):
+    detector: str  # the detector that crashed
+    traceback: str  # its last frames
+
+
+class UnreadableRankEvidence(Evidence, total=False):
+    file: str  # the rank file that could not be read
+
+
+# The evidence of the findings the runner makes itself (the detectors' are their Evidence).
+RUNNER_EVIDENCE = {"analyzer_error": AnalyzerErrorEvidence, "unreadable_rank": UnreadableRankEvidence,
+                   "mixed_runs": Evidence}
 
 
 def analyze(trace: Trace, cfg: AnalysisConfig | None = None) -> list[Finding]:

@@ -400,4 +400,6 @@ def findings(run_dir, kind: str | None = None, cfg=None) -> list:
     found = analyze(load(os.fspath(run_dir)), cfg)
     crashed = [f for f in found if f.kind == "analyzer_error" and kind in (None, f.evidence.get("detector"))]
     assert not crashed, crashed[0].summary + "\n" + crashed[0].evidence.get("traceback", "")
+    from tests.analyzer.test_evidence_contract import undeclared_keys
+    assert not undeclared_keys(found), undeclared_keys(found)  # evidence keys its kind declares
     return [f for f in found if kind is None or f.kind == kind]

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..findings import Evidence
 from ..trace import RankTrace
+
+
+class LrEvidence(Evidence, total=False):
+    """What lr_context adds to a finding's evidence."""
+
+    lr_at_step: float  # the learning rate at the finding's step
+    lr_first: float  # ... at the first step that had one
+    lr_peak_before: float  # its highest up to the finding's step
+    lr_spike_ratio: float  # the lr at the step over its median of the steps before, when it spiked
+    warmup_end_step: int  # the step a warm-up reached its peak, when there was one
 
 # A warm-up: the lr rose at least this many times from the first step to its peak.
 WARMUP_RISE = 2.0
