@@ -23,13 +23,8 @@ class MemoryTables:
         (JSON text), keys, extra (JSON text of the snapshot's other keys; "" in traces older
         than it). Empty for CPU runs and older traces."""
         cols = ("snapshot", "step", "reason", "time_s", "device", "allocated_bytes", "reserved_bytes",
-                "n_device_traces", "allocator_settings", "keys")
-        texts = ("reason", "allocator_settings")
-        if self._has("memory_snapshots/extra"):
-            return self._texts_table("memory_snapshots", cols + ("extra",), texts + ("extra",))
-        df = self._texts_table("memory_snapshots", cols, texts)
-        df["extra"] = ""
-        return df
+                "n_device_traces", "allocator_settings", "keys", "extra")
+        return self._texts_table("memory_snapshots", cols, ("reason", "allocator_settings", "extra"))
 
     def memory_snapshot_rows(self, snapshot: int) -> dict[str, pd.DataFrame]:
         """One snapshot's rows: {"segments", "blocks", "trace"} DataFrames, in recorded order

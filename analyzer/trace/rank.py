@@ -14,13 +14,13 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SchemaVersionError, TraceFormatError
-from . import schema
+from . import schema, upgrade
 from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
                      _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .memory_tables import MemoryTables
 from .site_tables import SiteTables
-from .step_columns import _OPTIONAL_STEP_COLUMNS, STEP_COLUMNS, StepColumns
+from .step_columns import STEP_COLUMNS, StepColumns
 from .stored_tensors import StoredTensors
 from .streaming import StepDigest
 from .table_reads import TableReads
@@ -63,8 +63,9 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
                 self.param_numel = np.asarray(schema.numeric(path, "params/numel", f["params/numel"][()]),
                                               dtype=np.int64)
                 # Into how many shards each parameter is split (FSDP2): its figures here are those
-                # of this rank's shard (analyzer/trace/shards.py combines them). 1 in older traces.
-                shards = f["params/shards"][()] if "params/shards" in f else np.ones(len(self.param_names))
+                # of this rank's shard (analyzer/trace/shards.py combines them).
+                shards = f["params/shards"][()] if "params/shards" in f else \
+                    upgrade.column("params/shards", len(self.param_names))
                 shards = np.asarray(schema.numeric(path, "params/shards", shards), dtype=np.int64)
                 if shards.shape != (len(self.param_names),) or (shards < 1).any():
                     raise ValueError("params/shards is not one count >= 1 per parameter")
@@ -103,13 +104,14 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
         return StepColumns(self)
 
     def _step_column(self, col: str) -> np.ndarray:
-        missing = _OPTIONAL_STEP_COLUMNS.get(col)
-        if missing is not None and not self._has(f"steps/{col}"):
-            return np.full(self.n_steps, missing)  # added to schema 1 after its first traces
-        data = self._read(f"steps/{col}", self.n_steps)
+        name = f"steps/{col}"
+        if upgrade.added(name) and not self._has(name):
+            return upgrade.column(name, self.n_steps)
+        data = self._read(name, self.n_steps)
         if len(data) < self.n_steps:  # a kill can leave a later column a row short
-            data = np.concatenate([data, np.full(self.n_steps - len(data), missing if missing is not None
-                                                 else np.nan).astype(data.dtype)])
+            short = self.n_steps - len(data)
+            pad = upgrade.column(name, short) if upgrade.added(name) else np.full(short, np.nan)
+            data = np.concatenate([data, pad.astype(data.dtype)])
         return data
 
     def param_stat(self, stat: str, rows=None) -> pd.DataFrame:
@@ -154,19 +156,17 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
 
     def lacks(self, name: str) -> bool:
         """Whether the trace lacks dataset ``name`` (e.g. "steps/lr") and the reader cannot fill it
-        in: step columns added after the first traces read as "not measured" when absent."""
-        return name.removeprefix("steps/") not in _OPTIONAL_STEP_COLUMNS and not self._has(name)
+        in (upgrade.py: datasets added after the first traces read as "not measured")."""
+        return not upgrade.added(name) and not self._has(name)
 
     @cached_property
     def census_groups(self) -> pd.DataFrame:
         """Live tensor census by group, one row per (census step, group): step, device, dtype,
         shape (str), graph (holds an autograd graph), grad_fn (the graph's last op, e.g.
         ReluBackward0; "" without a graph or in older traces), count, bytes."""
-        texts = ("device", "dtype", "shape") + (("grad_fn",) if self._has("census_groups/grad_fn") else ())
-        cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes")
-        df = self._texts_table("census_groups", cols + texts[3:], texts)
-        if "grad_fn" not in df:
-            df["grad_fn"] = ""
+        texts = ("device", "dtype", "shape", "grad_fn")
+        cols = ("step", "device", "dtype", "shape", "graph", "count", "bytes", "grad_fn")
+        df = self._texts_table("census_groups", cols, texts)
         key = ["step", "device", "dtype", "shape", "graph", "grad_fn"]
         # One row per group and step, as the recorder writes them; a damaged trace's repeats are summed.
         return df.groupby(key, as_index=False, sort=False)[["count", "bytes"]].sum()[key + ["count", "bytes"]]
@@ -194,9 +194,7 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
     def profile_windows(self) -> pd.DataFrame:
         """torch.profiler windows: window, step_start, step_end, trace_offset, trace_nbytes, and
         exported_unix (when the writer had exported it; absent from older traces)."""
-        cols = ("window", "step_start", "step_end", "trace_offset", "trace_nbytes")
-        if self._has("profile_windows/exported_unix"):
-            cols += ("exported_unix",)
+        cols = ("window", "step_start", "step_end", "trace_offset", "trace_nbytes", "exported_unix")
         return pd.DataFrame(self._table("profile_windows", cols))
 
     def profile_ops(self, window: int | None = None) -> pd.DataFrame:

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TraceFormatError
+from . import upgrade
 from .streaming import _WINDOWS_PER_READ
 
 
@@ -39,21 +40,21 @@ class SiteTables:
         saturated_frac per site, steps watched), one window at a time, oldest first. A site
         is seen only on watched steps (schema 2: every activations_every-th step; before it,
         every step of the window)."""
-        cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac")
-        watched_col = self._has("activity/steps_watched")
-        n = self._n_rows("activity", cols + (("steps_watched",) if watched_col else ()))
+        cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac", "steps_watched")
+        n, lacking = self._n_rows("activity", cols), self._lacking("activity", cols)
         n_bits = self._site_extent(self.activity_sites, "bit_offset", "units", "activity/ever_positive", 8)
         # A block of windows at a time: a long run has tens of thousands of windows.
         for start in range(0, n, _WINDOWS_PER_READ):
             stop = min(n, start + _WINDOWS_PER_READ)
-            t = {c: self._read_rows(f"activity/{c}", slice(start, stop), n)[1] for c in cols}
-            watched = self._read_rows("activity/steps_watched", slice(start, stop), n)[1] if watched_col else \
-                t["step_end"] - t["step_start"] + 1
+            t = {}
+            for c in cols:
+                t[c] = upgrade.column(f"activity/{c}", stop - start, t) if c in lacking else \
+                    self._read_rows(f"activity/{c}", slice(start, stop), n)[1]
             for i in range(stop - start):
                 bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
                 bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
                 yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
-                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(watched[i]))
+                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(t["steps_watched"][i]))
 
     # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
     # its width by this much, no more.
@@ -103,8 +104,4 @@ class SiteTables:
     def module_outputs(self) -> pd.DataFrame:
         """The shape and dtype of each module's first floating-point output: module (name),
         module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
-        extra = ("grad_fn",) if self._has("module_outputs/grad_fn") else ()
-        df = self._sites("module_outputs", ("module", "shape", "dtype") + extra, "shape", "dtype", *extra)
-        if "grad_fn" not in df:
-            df["grad_fn"] = ""
-        return df
+        return self._sites("module_outputs", ("module", "shape", "dtype", "grad_fn"), "shape", "dtype", "grad_fn")

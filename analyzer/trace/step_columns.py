@@ -1,33 +1,20 @@
-"""The per-step table of a rank (``steps/*``), read a column at a time: its column names and
-what the columns added after the first traces read as when absent."""
+"""The per-step table of a rank (``steps/*``), read a column at a time (the columns added after
+the first traces read as upgrade.py says when a trace lacks them)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pandas as pd
+
+from . import upgrade
 
 if TYPE_CHECKING:
     from .rank import RankTrace
 
 
-# Step columns added to schema 1 after its first traces, and what they read as when absent.
-_OPTIONAL_STEP_COLUMNS = {
-    **dict.fromkeys(("live_tensors", "live_tensor_bytes", "live_tensors_with_graph"), -1),
-    **dict.fromkeys(("between_steps_s", "data_wait_s", "forward_s", "backward_s", "recorder_s"), np.nan),
-    "gc_s": np.nan,  # time in garbage collection during the step
-    "gc_gen2": -1,  # full (generation 2) collections during the step
-    # The optimizer's schedule (added to schema 2 later): NaN / -1 where not recorded.
-    "lr": np.nan,
-    "loss_scale": np.nan,
-    "optimizer_steps": -1,
-    "nonfinite_consumer": -1,  # (added later: the module that made a -Inf a fault)
-    "loss_given": -1,  # (added later: 1 if rec.step() was given a loss; -1: not said)
-    "output_grad_nonfinite": -1,  # (added later: the gradient at the model's outputs held NaN/Inf)
-}
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
-                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *_OPTIONAL_STEP_COLUMNS)
+                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *upgrade.step_columns())
 
 
 class StepColumns:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TraceFormatError
-from . import schema
+from . import schema, upgrade
 from .format import _PER_STEP_TABLES, _open, _texts
 from .streaming import _gather, _row_selection, _width, block_rows
 
@@ -97,12 +97,13 @@ class TableReads:
 
     def _n_rows(self, table: str, cols) -> int:
         """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
-        table is absent (an older trace)."""
+        table is absent (an older trace). Columns an older trace lacks (upgrade.py) do not count."""
         try:
             with _open(self.path) as f:
                 if table not in f:
                     return 0
-                return min(f[f"{table}/{c}"].shape[0] for c in cols)
+                names = [f"{table}/{c}" for c in cols]
+                return min(f[n].shape[0] for n in names if n in f or not upgrade.added(n))
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
 
@@ -113,12 +114,22 @@ class TableReads:
     def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = (),
                ndim: int | None = None) -> dict[str, np.ndarray]:
         """All columns of a table, cut to the rows every column holds (a kill can leave one
-        column a row longer); an absent table (older trace) reads as empty. Columns not in
-        ``texts`` must hold numbers; all of ``ndim`` dimensions if given."""
+        column a row longer); an absent table (older trace) reads as empty, a column added after
+        it was written as upgrade.py says. Columns not in ``texts`` must hold numbers; all of
+        ``ndim`` dimensions if given."""
         if not self._has(table):
             return {c: np.zeros(0) for c in cols}
-        n = self._n_rows(table, cols)
-        return {c: self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim) for c in cols}
+        n, lacking = self._n_rows(table, cols), self._lacking(table, cols)
+        out = {}
+        for c in cols:
+            out[c] = upgrade.column(f"{table}/{c}", n, out) if c in lacking else \
+                self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim)
+        return out
+
+    def _lacking(self, table: str, cols) -> set[str]:
+        """The columns of a table this trace lacks and the reader fills in (upgrade.py)."""
+        with _open(self.path) as f:
+            return {c for c in cols if upgrade.added(f"{table}/{c}") and f"{table}/{c}" not in f}
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
         """A table as a DataFrame, its text columns decoded."""

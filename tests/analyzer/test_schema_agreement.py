@@ -18,6 +18,7 @@ from torchautopsy import load
 from torchautopsy.analyzer import memory_snapshot
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import format as reader_format
+from torchautopsy.analyzer.trace import upgrade
 from torchautopsy.recorder import cuda_memory, resume, schema
 
 # Datasets of older formats that the reader still looks for (and upgrades): not written today.
@@ -100,3 +101,5 @@ def test_every_dataset_the_analyzer_reads_is_one_the_writer_writes(monkeypatch):
     asked -= {None, ""}  # (the root group)
     unknown = sorted(p for p in asked if p not in written and p not in can_write and p not in LEGACY)
     assert not unknown, f"the analyzer reads datasets the recorder never writes: {unknown}"
+    # The datasets the reader fills in for older traces are all ones the recorder writes today.
+    assert set(upgrade.ADDED) <= written | can_write, set(upgrade.ADDED) - written - can_write
