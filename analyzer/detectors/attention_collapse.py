@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import warnings
 
 import numpy as np
+import pandas as pd
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 
 
@@ -45,6 +46,19 @@ class AttentionCollapseConfig:
     alike_entropy: float = 0.5
     # The condition must hold on the last this-many sampled steps.
     min_samples: int = 2
+
+
+class Evidence(BaseEvidence, total=False):
+    collapse: str  # which collapse: "entropy", "sink" (all mass on one key) or "alike" (heads alike)
+    source: str  # how the layer was seen: an nn.MultiheadAttention, or an F.scaled_dot_product_attention call
+    heads: int  # the layer's attention heads
+    keys: int  # the key positions a query row could attend to, at the last sampled step
+    entropy_per_head_at_end: list  # per head, its mean normalised row entropy at the last sample (0: one-hot, 1: uniform)
+    entropy_mean_at_first_sample: float  # the heads' mean of it at the first sample (0..1)
+    sink_share_per_head_at_end: list  # per head, its share of attention on its most-attended key (0..1)
+    max_weight_per_head_at_end: list  # per head, its mean largest attention weight (0..1)
+    head_similarity_at_end: float  # mean pairwise cosine similarity of the heads' maps (0..1)
+    sampled_steps: list  # [first, last] sampled step
 
 
 KIND = "attention_collapse"
@@ -69,62 +83,95 @@ def detect(rt: RankTrace, cfg: AttentionCollapseConfig) -> list[Finding]:
     sites = rt.attention_sites
     if len(sites) == 0:
         return []
-    entropy = rt.attention_stat("entropy")
-    sink = rt.attention_stat("sink_share")
-    maxw = rt.attention_stat("max_weight")
-    sim = rt.attention_stat("head_similarity")
-    steps = entropy.index.to_numpy()
+    stats = _Stats(*(rt.attention_stat(s) for s in ("entropy", "sink_share", "max_weight", "head_similarity")))
+    steps = stats.entropy.index.to_numpy()
     if len(steps) < cfg.min_samples:
         return []
     findings = []
     for j, site in enumerate(sites.itertuples()):
-        cols = list(range(int(site.head_offset), int(site.head_offset + site.heads)))
-        ent = entropy.iloc[:, cols].to_numpy(dtype=float)
-        snk = sink.iloc[:, cols].to_numpy(dtype=float)
-        mw = maxw.iloc[:, cols].to_numpy(dtype=float)
-        sm = sim.iloc[:, j].to_numpy(dtype=float)
-        with warnings.catch_warnings():  # rows with every head NaN (one allowed key) give NaN
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean_ent = np.nanmean(ent, axis=1) if ent.size else np.full(len(steps), np.nan)
-        conditions = {
-            "entropy": mean_ent < cfg.entropy,
-            "sink": np.all(snk > cfg.sink_share, axis=1) & ~np.isnan(snk).all(axis=1),
-            "alike": (sm > cfg.similarity) & (mean_ent < cfg.alike_entropy) & (int(site.heads) > 1),
-        }
-        for how, cond in conditions.items():
+        layer = _layer(stats, j, site)
+        for how, cond in _conditions(layer, int(site.heads), cfg).items():
             begin = _holds_to_end(cond, cfg.min_samples)
             if begin is None:
                 continue
-            last = len(steps) - 1
-            name = site.module or "(model)"
-            heads = [int(h) for h in range(int(site.heads))]
-            if how == "entropy":
-                low = [h for h in heads if ent[last, h] < cfg.entropy]
-                summary = (f"Attention entropy of {name} collapsed: mean normalised entropy "
-                           f"{mean_ent[last]:.3f} over its {int(site.heads)} heads at step {steps[last]} "
-                           f"(threshold {cfg.entropy:g}), since step {steps[begin]}; heads {low} are near one-hot.")
-            elif how == "sink":
-                summary = (f"Every head of {name} puts over {cfg.sink_share:.0%} of its attention on a "
-                           f"single key position since step {steps[begin]} (sink share "
-                           f"{np.nanmin(snk[last]):.3f}-{np.nanmax(snk[last]):.3f} at step {steps[last]}).")
-            else:
-                summary = (f"The {int(site.heads)} heads of {name} compute the same sharp pattern since "
-                           f"step {steps[begin]}: similarity {sm[last]:.4f}, mean entropy {mean_ent[last]:.3f}.")
-            evidence = {
-                "collapse": how,
-                "source": site.source,
-                "heads": int(site.heads),
-                "keys": int(rt.attention_stat("keys").iloc[last, j]) if len(sites) else None,
-                "entropy_per_head_at_end": [float(x) for x in ent[last]],
-                "entropy_mean_at_first_sample": float(mean_ent[0]),
-                "sink_share_per_head_at_end": [float(x) for x in snk[last]],
-                "max_weight_per_head_at_end": [float(x) for x in mw[last]],
-                "head_similarity_at_end": float(sm[last]),
-                "sampled_steps": [int(steps[0]), int(steps[last])],
-            }
-            findings.append(Finding(KIND, "warning", int(steps[begin]), [site.module], summary,
-                                    evidence, _ADVICE[how]))
+            findings.append(Finding(KIND, "warning", int(steps[begin]), [site.module],
+                                    _summary(how, layer, site, steps, begin, cfg),
+                                    _evidence(how, layer, site, rt, j, steps), _ADVICE[how]))
     return findings
+
+
+@dataclass(frozen=True)
+class _Stats:
+    """The attention statistics, sampled steps x (head or layer) columns."""
+
+    entropy: pd.DataFrame
+    sink: pd.DataFrame
+    max_weight: pd.DataFrame
+    similarity: pd.DataFrame
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One attention layer's statistics, sampled steps x its heads."""
+
+    entropy: np.ndarray  # normalised row entropy per head
+    sink: np.ndarray  # share of attention on the single most-attended key, per head
+    max_weight: np.ndarray  # mean largest weight, per head
+    similarity: np.ndarray  # the heads' mean pairwise cosine similarity, per step
+    mean_entropy: np.ndarray  # the heads' mean entropy, per step
+
+
+def _layer(stats: _Stats, j: int, site) -> _Layer:
+    cols = list(range(int(site.head_offset), int(site.head_offset + site.heads)))
+    ent = stats.entropy.iloc[:, cols].to_numpy(dtype=float)
+    with warnings.catch_warnings():  # rows with every head NaN (one allowed key) give NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean_ent = np.nanmean(ent, axis=1) if ent.size else np.full(len(stats.entropy.index), np.nan)
+    return _Layer(ent, stats.sink.iloc[:, cols].to_numpy(dtype=float),
+                  stats.max_weight.iloc[:, cols].to_numpy(dtype=float),
+                  stats.similarity.iloc[:, j].to_numpy(dtype=float), mean_ent)
+
+
+def _conditions(layer: _Layer, heads: int, cfg: AttentionCollapseConfig) -> dict[str, np.ndarray]:
+    """Per collapse, per sampled step: whether the layer was collapsed that way."""
+    return {
+        "entropy": layer.mean_entropy < cfg.entropy,
+        "sink": np.all(layer.sink > cfg.sink_share, axis=1) & ~np.isnan(layer.sink).all(axis=1),
+        "alike": (layer.similarity > cfg.similarity) & (layer.mean_entropy < cfg.alike_entropy) & (heads > 1),
+    }
+
+
+def _summary(how: str, layer: _Layer, site, steps: np.ndarray, begin: int, cfg: AttentionCollapseConfig) -> str:
+    last = len(steps) - 1
+    name = site.module or "(model)"
+    if how == "entropy":
+        low = [h for h in range(int(site.heads)) if layer.entropy[last, h] < cfg.entropy]
+        return (f"Attention entropy of {name} collapsed: mean normalised entropy "
+                f"{layer.mean_entropy[last]:.3f} over its {int(site.heads)} heads at step {steps[last]} "
+                f"(threshold {cfg.entropy:g}), since step {steps[begin]}; heads {low} are near one-hot.")
+    if how == "sink":
+        return (f"Every head of {name} puts over {cfg.sink_share:.0%} of its attention on a "
+                f"single key position since step {steps[begin]} (sink share "
+                f"{np.nanmin(layer.sink[last]):.3f}-{np.nanmax(layer.sink[last]):.3f} at step {steps[last]}).")
+    return (f"The {int(site.heads)} heads of {name} compute the same sharp pattern since "
+            f"step {steps[begin]}: similarity {layer.similarity[last]:.4f}, mean entropy "
+            f"{layer.mean_entropy[last]:.3f}.")
+
+
+def _evidence(how: str, layer: _Layer, site, rt: RankTrace, j: int, steps: np.ndarray) -> Evidence:
+    last = len(steps) - 1
+    return {
+        "collapse": how,
+        "source": site.source,
+        "heads": int(site.heads),
+        "keys": int(rt.attention_stat("keys").iloc[last, j]),
+        "entropy_per_head_at_end": [float(x) for x in layer.entropy[last]],
+        "entropy_mean_at_first_sample": float(layer.mean_entropy[0]),
+        "sink_share_per_head_at_end": [float(x) for x in layer.sink[last]],
+        "max_weight_per_head_at_end": [float(x) for x in layer.max_weight[last]],
+        "head_similarity_at_end": float(layer.similarity[last]),
+        "sampled_steps": [int(steps[0]), int(steps[last])],
+    }
 
 
 def _holds_to_end(cond: np.ndarray, min_samples: int) -> int | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 
 
@@ -33,6 +33,21 @@ class DeadReluConfig:
     min_units: int = 8
     # A unit counts as dead only if its site ran in at least this share of the window's steps.
     min_seen_share: float = 0.5
+
+
+class Evidence(BaseEvidence, total=False):
+    window_steps: list  # [first, last] step of the latest window the site was judged in
+    activation: str  # the activation function: ReLU, ReLU6, LeakyReLU or GELU
+    units: int  # the site's units (channels or features)
+    dead_units: int  # its units never positive in that window
+    dead_share: float  # dead_units / units (0..1)
+    dead_since_start: int  # dead units never positive in any judged window
+    died_during_training: int  # dead units that were positive in an earlier window
+    first_death_step: int  # the first step the earliest of those was dead from (None: none died)
+    first_death_between: list  # [first, last] step: that death happened in this span (None: none died)
+    median_death_step: int  # the median step they died at (None: none died)
+    unit_dim: int  # the dimension of the activation's output that indexes its units
+    negative_slope: float  # (LeakyReLU) the slope its negative region's gradient is scaled by
 
 
 KIND = "dead_relu"
@@ -63,32 +78,63 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
     sites = sites[sites["function"].isin(_RELU_LIKE) & (sites["units"] >= cfg.min_units)]
     if len(sites) == 0:
         return []
+    scan = _scan_windows(rt, sites, cfg)
+    findings = []
+    for j, row in enumerate(sites.itertuples()):
+        if scan.latest_end[j] < 0 or scan.latest_share[j] < cfg.warning_share:
+            continue
+        findings.append(_finding(rt, row, _site_deaths(scan, j), cfg))
+    return findings
 
-    # The judged sites' units, concatenated: per-unit state is kept in flat arrays and every
-    # window is one vectorised update (a long run has tens of thousands of windows).
+
+@dataclass(frozen=True)
+class _Scan:
+    """Every window streamed through, per judged site (j) and per unit of the sites in a row."""
+
+    bounds: np.ndarray  # site j's units are bounds[j]:bounds[j + 1]
+    ever_alive: np.ndarray  # per unit: positive in some judged window
+    last_alive_start: np.ndarray  # per unit: first step of the last window it was positive in, or -1
+    last_alive_end: np.ndarray  # ... and its last step
+    first_cross: np.ndarray  # per site: start of the window its dead share last reached warning_share, or -1
+    latest_start: np.ndarray  # per site: its latest judged window's first step, or -1
+    latest_end: np.ndarray  # ... its last step
+    latest_share: np.ndarray  # ... the share of the site's units dead in it
+    latest_alive: np.ndarray  # per unit: positive in its site's latest judged window
+
+
+def _unit_layout(sites) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(site of each unit, its bit in a window's activity bits, bounds, whether the bits are
+    exactly ours in order). The judged sites' units, concatenated: per-unit state is kept in flat
+    arrays and every window is one vectorised update (a long run has tens of thousands of windows)."""
     offsets = sites["bit_offset"].to_numpy(dtype=np.int64)
     units = sites["units"].to_numpy(dtype=np.int64)
     site_of_unit = np.repeat(np.arange(len(sites)), units)
     bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)])
     bounds = np.concatenate([[0], np.cumsum(units)])
     contiguous = bool(np.array_equal(bit_of_unit, np.arange(len(bit_of_unit))))  # the usual layout
-    ever_alive = np.zeros(len(bit_of_unit), dtype=bool)
-    last_alive_end = np.full(len(bit_of_unit), -1, dtype=np.int64)
-    last_alive_start = np.full(len(bit_of_unit), -1, dtype=np.int64)
-    first_cross = np.full(len(sites), -1, dtype=np.int64)
+    return site_of_unit, bit_of_unit, bounds, contiguous
+
+
+def _scan_windows(rt: RankTrace, sites, cfg: DeadReluConfig) -> _Scan:
+    site_of_unit, bit_of_unit, bounds, contiguous = _unit_layout(sites)
+    units = sites["units"].to_numpy(dtype=np.int64)
+    n_units, n_sites = len(bit_of_unit), len(sites)
+    ever_alive = np.zeros(n_units, dtype=bool)
+    last_alive_end = np.full(n_units, -1, dtype=np.int64)
+    last_alive_start = np.full(n_units, -1, dtype=np.int64)
+    first_cross = np.full(n_sites, -1, dtype=np.int64)
     site_rows = sites.index.to_numpy()
-    # Per site, its latest judged window (a window with no watched step judges nothing):
-    # start, end, dead share; and per unit, whether it was alive in it.
-    lat_start = np.full(len(sites), -1, dtype=np.int64)
-    lat_end = np.full(len(sites), -1, dtype=np.int64)
-    lat_share = np.full(len(sites), np.nan)
-    lat_alive = np.zeros(len(bit_of_unit), dtype=bool)
+    # A window with no watched step judges nothing: each site keeps its latest judged one.
+    lat_start = np.full(n_sites, -1, dtype=np.int64)
+    lat_end = np.full(n_sites, -1, dtype=np.int64)
+    lat_share = np.full(n_sites, np.nan)
+    lat_alive = np.zeros(n_units, dtype=bool)
     for start, end, seen, bits, _, watched in rt.activity_windows():
         length = watched  # the steps of the window its sites could be seen on
         site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
-            if len(seen) else np.zeros(len(sites))
+            if len(seen) else np.zeros(n_sites)
         judged = (site_seen >= cfg.min_seen_share * length) & (length > 0)
-        ours = bits[:len(bit_of_unit)] if contiguous else bits[bit_of_unit]
+        ours = bits[:n_units] if contiguous else bits[bit_of_unit]
         alive = ours & judged[site_of_unit]
         last_alive_end[alive] = end
         last_alive_start[alive] = start
@@ -100,65 +146,91 @@ def detect(rt: RankTrace, cfg: DeadReluConfig) -> list[Finding]:
         first_cross = np.where(judged & ~crossed, -1, first_cross)  # recovered: only a share lasting to the end counts
         lat_start[judged], lat_end[judged], lat_share[judged] = start, end, share[judged]
         lat_alive = np.where(judged[site_of_unit], alive, lat_alive)
+    return _Scan(bounds, ever_alive, last_alive_start, last_alive_end, first_cross,
+                 lat_start, lat_end, lat_share, lat_alive)
 
-    findings = []
-    for j, row in enumerate(sites.itertuples()):
-        if lat_end[j] < 0 or lat_share[j] < cfg.warning_share:
-            continue
-        start, end = int(lat_start[j]), int(lat_end[j])
-        u = slice(bounds[j], bounds[j + 1])
-        alive, share = lat_alive[u], float(lat_share[j])
-        dead = ~alive
-        from_init = dead & ~ever_alive[u]
-        died = dead & ever_alive[u]
-        died_at = last_alive_end[u][died] + 1  # first step of the window after the last alive one
-        fn = row.function
-        label = _LABEL.get(fn, fn)
-        severity = "error" if share >= cfg.error_share and fn in ("relu", "relu6", "hardtanh") else "warning"
-        where = [row.module]
-        how = "" if _is_module_call(rt, row) else f" (F.{fn} call {row.call} in its forward)"
-        n_units = int(row.units)
-        evidence = {
-            "window_steps": [start, end],
-            "activation": label,
-            "units": n_units,
-            "dead_units": int(dead.sum()),
-            "dead_share": float(share),
-            "dead_since_start": int(from_init.sum()),
-            "died_during_training": int(died.sum()),
-            "first_death_step": int(died_at.min()) if died.any() else None,
-            # a unit is known to have fired somewhere in its last active window only
-            "first_death_between": ([int(last_alive_start[u][died].min()), int(died_at.min())]
-                                    if died.any() else None),
-            "median_death_step": int(np.median(died_at)) if died.any() else None,
-            "unit_dim": int(row.unit_dim),
-        }
-        if fn == "leaky_relu":
-            evidence["negative_slope"] = float(row.param)
-        state = "never activated" if fn != "leaky_relu" else "never left the negative (leaky) region"
-        if fn == "gelu":
-            state = "were pinned at or below zero"
-        summary = (f"{int(dead.sum())} of {n_units} units ({share:.0%}) of the {label} in {row.module or '(model)'}"
-                   f"{how} {state} during steps {start}-{end}")
-        parts = []
-        if from_init.any():
-            parts.append(f"{int(from_init.sum())} since the start")
-        if died.any():
-            lo = int(last_alive_start[u][died].min())
-            parts.append(f"{int(died.sum())} died during training, the first between steps {lo} "
-                         f"and {int(died_at.min())}")
-        summary += f": {', '.join(parts)}." if parts else "."
-        step = first_cross[j] if first_cross[j] >= 0 else start
-        if died.any() and step > int(died_at.min()):
-            # Units die one by one; the finding dates when the dead share reached the threshold.
-            summary += f" At least {cfg.warning_share:.0%} of the units have been dead since step {step}."
-        if fn == "leaky_relu":
-            summary += f" Their gradient is scaled by the slope {row.param:g}."
-        advice = _ADVICE_DIED if died.sum() >= from_init.sum() else _ADVICE_INIT
-        if from_init.any() and died.any():
-            advice = _ADVICE_DIED + " " + _ADVICE_INIT
-        findings.append(Finding(KIND, severity, int(step), where, summary, evidence, advice))
-    return findings
+
+@dataclass(frozen=True)
+class _SiteDeaths:
+    """One site's dead units in its latest judged window, and when they died."""
+
+    start: int  # that window's first step
+    end: int  # ... and last
+    share: float  # share of the site's units dead in it
+    step: int  # the finding's step: since when the dead share stayed at or above warning_share
+    dead: int  # units dead in the window
+    from_init: int  # ... of them never positive in any judged window
+    died: int  # ... of them positive in an earlier window
+    first_death: int | None  # the first step the earliest of those was dead from
+    first_death_after: int | None  # ... the first step of its last window alive: it died in between
+    median_death: int | None  # the median step they died at
+
+
+def _site_deaths(scan: _Scan, j: int) -> _SiteDeaths:
+    start, end = int(scan.latest_start[j]), int(scan.latest_end[j])
+    u = slice(scan.bounds[j], scan.bounds[j + 1])
+    dead = ~scan.latest_alive[u]
+    from_init = dead & ~scan.ever_alive[u]
+    died = dead & scan.ever_alive[u]
+    died_at = scan.last_alive_end[u][died] + 1  # first step of the window after the last alive one
+    return _SiteDeaths(
+        start=start, end=end, share=float(scan.latest_share[j]),
+        step=int(scan.first_cross[j]) if scan.first_cross[j] >= 0 else start,
+        dead=int(dead.sum()), from_init=int(from_init.sum()), died=int(died.sum()),
+        first_death=int(died_at.min()) if died.any() else None,
+        # a unit is known to have fired somewhere in its last active window only
+        first_death_after=int(scan.last_alive_start[u][died].min()) if died.any() else None,
+        median_death=int(np.median(died_at)) if died.any() else None)
+
+
+def _finding(rt: RankTrace, row, d: _SiteDeaths, cfg: DeadReluConfig) -> Finding:
+    fn = row.function
+    # Only a (capped) ReLU's dead units get no gradient at all: LeakyReLU leaks, GELU is near 0.
+    severity = "error" if d.share >= cfg.error_share and fn in ("relu", "relu6", "hardtanh") else "warning"
+    evidence = {
+        "window_steps": [d.start, d.end],
+        "activation": _LABEL.get(fn, fn),
+        "units": int(row.units),
+        "dead_units": d.dead,
+        "dead_share": d.share,
+        "dead_since_start": d.from_init,
+        "died_during_training": d.died,
+        "first_death_step": d.first_death,
+        "first_death_between": [d.first_death_after, d.first_death] if d.died else None,
+        "median_death_step": d.median_death,
+        "unit_dim": int(row.unit_dim),
+    }
+    if fn == "leaky_relu":
+        evidence["negative_slope"] = float(row.param)
+    return Finding(KIND, severity, d.step, [row.module], _summary(rt, row, d, cfg), evidence, _advice(d))
+
+
+def _summary(rt: RankTrace, row, d: _SiteDeaths, cfg: DeadReluConfig) -> str:
+    fn = row.function
+    how = "" if _is_module_call(rt, row) else f" (F.{fn} call {row.call} in its forward)"
+    state = {"leaky_relu": "never left the negative (leaky) region",
+             "gelu": "were pinned at or below zero"}.get(fn, "never activated")
+    summary = (f"{d.dead} of {int(row.units)} units ({d.share:.0%}) of the {_LABEL.get(fn, fn)} in "
+               f"{row.module or '(model)'}{how} {state} during steps {d.start}-{d.end}")
+    parts = []
+    if d.from_init:
+        parts.append(f"{d.from_init} since the start")
+    if d.died:
+        parts.append(f"{d.died} died during training, the first between steps {d.first_death_after} "
+                     f"and {d.first_death}")
+    summary += f": {', '.join(parts)}." if parts else "."
+    if d.died and d.step > d.first_death:
+        # Units die one by one; the finding dates when the dead share reached the threshold.
+        summary += f" At least {cfg.warning_share:.0%} of the units have been dead since step {d.step}."
+    if fn == "leaky_relu":
+        summary += f" Their gradient is scaled by the slope {row.param:g}."
+    return summary
+
+
+def _advice(d: _SiteDeaths) -> str:
+    if d.from_init and d.died:
+        return _ADVICE_DIED + " " + _ADVICE_INIT
+    return _ADVICE_DIED if d.died >= d.from_init else _ADVICE_INIT
 
 
 def _is_module_call(rt: RankTrace, row) -> bool:

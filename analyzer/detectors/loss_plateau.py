@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..series import trailing_median
 from ..trace import RankTrace
 from .loss_divergence import loss_series, no_loss
@@ -47,6 +47,21 @@ class LossPlateauConfig:
                edge_frac=(0.0, 0.5))
 
 
+class Evidence(BaseEvidence, total=False):
+    plateau_start_step: int  # the first step of the plateau
+    steps_on_plateau: int  # the steps from it to the end of the run
+    loss_level: float  # the plateau's level: the median loss of the judged stretch's last edge_frac
+    judged_steps: list  # [first, last] step of the judged stretch (the run's last tail_frac)
+    median_loss_first_part: float  # the median loss of the stretch's first edge_frac
+    median_loss_last_part: float  # ... of its last edge_frac (= loss_level)
+    relative_improvement: float  # (first part - last part) / |first part|: > 0 improved (a share)
+    threshold_improvement: float  # the change below which it is a plateau (min_improvement, a share)
+    start_loss: float  # the median loss of the run's first steps (as many as each part)
+    best_smoothed_loss: float  # the lowest trailing median of the loss over the run
+    median_total_grad_norm: float  # the median L2 norm of all gradients over the stretch (None: none recorded)
+    steps: int  # (not checked: no loss was given) the steps the trace holds
+
+
 KIND = "loss_plateau"
 REQUIRES = ("steps/loss",)
 CONFIG = LossPlateauConfig  # its thresholds: a [loss_plateau] table of analyze --config
@@ -67,58 +82,85 @@ def detect(rt: RankTrace, cfg: LossPlateauConfig) -> list[Finding]:
     if missing:
         return missing
     loss, nonfinite = loss_series(rt)
-    steps = rt.step_index
-    n_tail = int(len(loss) * cfg.tail_frac)
-    t0 = len(loss) - n_tail
-    if nonfinite[t0:].any():
-        return []  # the run blew up: nonfinite / loss_divergence
-    tail = loss[t0:][np.isfinite(loss[t0:])]  # steps whose loss was not passed left out
-    n_tail = len(tail)
-    if n_tail < cfg.min_tail_steps:
+    p = _measure(rt, loss, nonfinite, cfg)
+    if p is None:
         return []
-    n_edge = max(1, int(n_tail * cfg.edge_frac))
+    steps = rt.step_index
+    return [Finding(KIND, "info", int(steps[p.start]), [], _summary(p, steps, len(loss)),
+                    _evidence(p, steps, len(loss), cfg), ADVICE)]
+
+
+@dataclass(frozen=True)
+class _Plateau:
+    """A loss that stopped improving: the judged stretch's numbers (rows index the steps)."""
+
+    t0: int  # the judged stretch's first row
+    n_edge: int  # the steps in each median compared
+    before: float  # the median loss of the stretch's first part
+    level: float  # ... of its last part: the plateau's level
+    change: float  # (before - level) / |before|; > 0: improved
+    grad_median: float | None  # the median total gradient norm over the stretch (None: not recorded)
+    start: int  # the plateau's first row
+    first: float  # the median loss of the run's first n_edge finite steps
+    best: float  # the lowest trailing median of the loss
+
+
+def _measure(rt: RankTrace, loss: np.ndarray, nonfinite: np.ndarray, cfg: LossPlateauConfig) -> _Plateau | None:
+    t0 = len(loss) - int(len(loss) * cfg.tail_frac)
+    if nonfinite[t0:].any():
+        return None  # the run blew up: nonfinite / loss_divergence
+    tail = loss[t0:][np.isfinite(loss[t0:])]  # steps whose loss was not passed left out
+    if len(tail) < cfg.min_tail_steps:
+        return None
+    n_edge = max(1, int(len(tail) * cfg.edge_frac))
     before = float(np.median(tail[:n_edge]))
     level = float(np.median(tail[-n_edge:]))
     if before == 0.0:
-        return []  # a loss of exactly zero has nothing left to improve
+        return None  # a loss of exactly zero has nothing left to improve
     change = (before - level) / abs(before)  # > 0: improved
     if abs(change) >= cfg.min_improvement:
-        return []
-
+        return None
     g = rt.total_grad_norm.to_numpy()[t0:]
     g = g[np.isfinite(g)]
     grad_median = float(np.median(g)) if g.size else None
     if grad_median is not None and grad_median == 0.0:
-        return []  # nothing learns at all: vanishing_gradients says so
-
-    # Date the plateau: after the last step, up to the judged stretch, whose trailing median (over
-    # as many steps as the medians compared above) lay outside the plateau's band.
+        return None  # nothing learns at all: vanishing_gradients says so
     tm = trailing_median(loss, n_edge)
+    finite = loss[np.isfinite(loss)]
+    return _Plateau(t0, n_edge, before, level, change, grad_median, _plateau_start(tm, level, n_edge, t0, cfg),
+                    first=float(np.median(finite[:n_edge])), best=float(np.nanmin(tm)))
+
+
+def _plateau_start(tm: np.ndarray, level: float, n_edge: int, t0: int, cfg: LossPlateauConfig) -> int:
+    """The row after the last one, up to the judged stretch, whose trailing median ``tm`` (over as
+    many steps as the medians compared) lay outside the plateau's band; 0 if none did."""
     band = abs(level) * cfg.min_improvement
     outside = np.flatnonzero(~(np.abs(tm[n_edge - 1: t0 + 1] - level) <= band))
-    s = n_edge - 1 + int(outside[-1]) + 1 if outside.size else 0
-    finite = loss[np.isfinite(loss)]
-    first = float(np.median(finite[:n_edge]))
-    best = float(np.nanmin(tm))
-    evidence = {
-        "plateau_start_step": int(steps[s]),
-        "steps_on_plateau": int(len(loss) - s),
-        "loss_level": level,
-        "judged_steps": [int(steps[t0]), int(steps[-1])],
-        "median_loss_first_part": before,
-        "median_loss_last_part": level,
-        "relative_improvement": change,
+    return n_edge - 1 + int(outside[-1]) + 1 if outside.size else 0
+
+
+def _evidence(p: _Plateau, steps: np.ndarray, n_steps: int, cfg: LossPlateauConfig) -> Evidence:
+    return {
+        "plateau_start_step": int(steps[p.start]),
+        "steps_on_plateau": int(n_steps - p.start),
+        "loss_level": p.level,
+        "judged_steps": [int(steps[p.t0]), int(steps[-1])],
+        "median_loss_first_part": p.before,
+        "median_loss_last_part": p.level,
+        "relative_improvement": p.change,
         "threshold_improvement": cfg.min_improvement,
-        "start_loss": first,
-        "best_smoothed_loss": best,
-        "median_total_grad_norm": grad_median,
+        "start_loss": p.first,
+        "best_smoothed_loss": p.best,
+        "median_total_grad_norm": p.grad_median,
     }
-    since = "from the start" if s < n_edge else f"since step {int(steps[s])}"
-    overall = (f"; over the whole run it went from {first:.4g} to {level:.4g}"
-               + (f" ({(level - first) / abs(first):+.0%})" if first != 0 else ""))
+
+
+def _summary(p: _Plateau, steps: np.ndarray, n_steps: int) -> str:
+    since = "from the start" if p.start < p.n_edge else f"since step {int(steps[p.start])}"
+    overall = (f"; over the whole run it went from {p.first:.4g} to {p.level:.4g}"
+               + (f" ({(p.level - p.first) / abs(p.first):+.0%})" if p.first != 0 else ""))
     grads = (f", while the gradients are not zero (median norm of all of them together, biases included: "
-             f"{grad_median:.3g})"
-             if grad_median is not None else "")
-    summary = (f"The loss has plateaued at {level:.4g} {since} ({len(loss) - s:,} steps): over steps "
-               f"{int(steps[t0])}-{int(steps[-1])} it changed by {-change:+.1%}{grads}{overall}.")
-    return [Finding(KIND, "info", int(steps[s]), [], summary, evidence, ADVICE)]
+             f"{p.grad_median:.3g})"
+             if p.grad_median is not None else "")
+    return (f"The loss has plateaued at {p.level:.4g} {since} ({n_steps - p.start:,} steps): over steps "
+            f"{int(steps[p.t0])}-{int(steps[-1])} it changed by {-p.change:+.1%}{grads}{overall}.")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 from .loss_divergence import loss_series
 from ._thresholds import check_bounds as _check
@@ -35,6 +35,17 @@ class LossZeroConfig:
 
     def __post_init__(self):
         _check(self, min_share=(0.0, 1.0), first_steps=(1, None))
+
+
+class Evidence(BaseEvidence, total=False):
+    zero_loss_steps: int  # steps whose loss was exactly 0.0
+    steps: int  # steps recorded
+    first_zero_step: int  # the first step with a loss of exactly 0.0
+    zero_share_first_steps: float  # share of the first `first_steps` steps with a zero loss (0..1)
+    first_steps: int  # how many first steps that share is over
+    first_nonfinite_loss_step: int  # the first step whose loss was NaN/Inf (None: none was)
+    zero_share_before_failure: float  # share of the steps before it with a zero loss (None: no failure)
+    threshold_share: float  # the share judged a warning (min_share, 0..1)
 
 
 KIND = "loss_zero"

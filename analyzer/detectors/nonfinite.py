@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace, measured_rows
 from . import _loss_ops
 
@@ -31,6 +31,21 @@ from . import _loss_ops
 @dataclass(frozen=True)
 class NonfiniteConfig:
     pass
+
+
+class Evidence(BaseEvidence, total=False):
+    first_step: int  # the first step with NaN/Inf anywhere: the finding's step
+    nonfinite_steps_after: int  # steps from it on (it included) whose loss, gradients or weights were NaN/Inf
+    steps_recorded_after: int  # steps recorded from it on, it included
+    loss_at_step: float  # the loss recorded on that step (NaN/Inf, or finite when the fault came after it)
+    loss_before: float  # the loss of the step before (None: it was the first step)
+    total_grad_norm_before: float  # the L2 norm of all gradients on the step before (None: first step)
+    modules_with_nonfinite_output: int  # modules whose output held NaN/Inf on the step (0 also when none was checked)
+    params_with_nonfinite_grad: dict  # parameter -> NaN/Inf elements in its gradient (the first 20)
+    loss_ops: list  # the loss function's autograd nodes, loss first (recorder/loss_graph.py)
+    outputs_nonfinite_on_step: bool  # the model's own outputs held NaN/Inf on the step
+    origin_module_output_absmax: float  # (forward) the max |output| of the module that made it: Inf or NaN
+    chain: dict  # (forward) producer and consumer module of a -Inf made NaN/+Inf, and the step
 
 
 KIND = "nonfinite"
@@ -66,12 +81,60 @@ _ADVICE = {
 
 
 def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
-    steps = rt.steps
-    idx = rt.step_index
+    m = _measure(rt)
+    if m is None:
+        return []
+    stage = _stage(m)
+    # (backward) Every gradient went bad, the ones backward reaches first included: the NaN/Inf
+    # came in at or above the last layer. Only asked when the step did not tell whether the
+    # gradient at the outputs was already non-finite (a watched step, or the replay's backward).
+    from_above = stage == "backward" and m.out_grad == -1 and _entered_at_outputs(rt, m.row, m.grad_bad)
+    where, what = _birth(rt, m, stage, from_above)
+    summary = (f"First NaN/Inf at step {m.step}: {what}; "
+               f"{m.steps_after} of the {m.recorded_after} steps recorded from then on are non-finite.")
+    advice = _ADVICE[stage]
+    if stage in ("loss", "loss_backward") or (stage == "backward" and from_above):
+        advice = _loss_ops.advice(m.ops) + advice
+    return [Finding(KIND, "error", m.step, where, summary, _evidence(rt, m, stage), advice)]
+
+
+@dataclass(frozen=True)
+class _FirstBadStep:
+    """What the trace holds on the first step with NaN/Inf anywhere (its row ``row``)."""
+
+    row: int
+    step: int
+    steps_after: int  # non-finite steps from this one on, it included
+    recorded_after: int  # steps recorded from this one on, it included
+    loss: float  # the loss recorded on the step, as the trace holds it
+    loss_before: float | None  # the loss of the step before (None: the first step)
+    grad_norm_before: float | None  # the total gradient norm of the step before
+    batch_bad: bool  # the input batch held NaN/Inf
+    origin: int  # the first module whose output went non-finite from finite inputs, or -1
+    consumer: int  # the module that took the origin's -Inf in and made NaN/+Inf of it, or -1
+    loss_bad: bool  # the loss itself was NaN/Inf
+    outs_bad: int  # the model's outputs held NaN/Inf (read from the loss's graph): 1, 0, -1 not known
+    ops: list | None  # the loss function's autograd ops, if recorded
+    out_grad: int  # the gradient at the model's outputs was NaN/Inf: 1, 0, -1 not known
+    module_absmax: np.ndarray  # per module, its max |output| on the step (-1: not checked)
+    grad_nonfinite: np.ndarray  # per parameter, its NaN/Inf gradient elements
+    weight_bad: np.ndarray  # per parameter, its norm went non-finite after the update
+
+    @property
+    def checked(self) -> bool:
+        """The step's module outputs were checked (-1 everywhere: they were not)."""
+        return bool(measured_rows(self.module_absmax))
+
+    @property
+    def grad_bad(self) -> np.ndarray:
+        return self.grad_nonfinite > 0
+
+
+def _measure(rt: RankTrace) -> _FirstBadStep | None:
+    steps, idx, d = rt.steps, rt.step_index, rt.digest
     loss = steps["loss"].to_numpy()
     origin = steps["nonfinite_origin"].to_numpy()
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0
-    d = rt.digest
     # Counts, not norms: an Inf norm can be an overflow of finite gradients.
     # NaN also stands for "no loss passed to rec.step() on this step": a NaN loss counts when the
     # trace says a loss was given (cross_entropy with every target ignored is 0/0 = NaN with
@@ -81,109 +144,127 @@ def detect(rt: RankTrace, cfg: NonfiniteConfig) -> list[Finding]:
     any_bad = loss_bad | (origin >= 0) | batch_bad | d.grad_nonfinite | d.param_nonfinite
     bad_rows = np.flatnonzero(any_bad)
     if not bad_rows.size:
-        return []
+        return None
     i = int(bad_rows[0])
-    # The first bad step's own rows: that is all of the steps x tensors tables it needs.
-    g_bad = rt.param_stat("grad_nonfinite", rows=[i]).to_numpy()[0]
-    grad_bad = g_bad > 0
-    w_bad = ~np.isfinite(rt.param_stat("param_norm", rows=[i]).to_numpy()[0])
     step = int(idx[i])
-    n_bad_steps = int(any_bad[i:].sum())
-    evidence = {
-        "first_step": step,
-        "nonfinite_steps_after": n_bad_steps,
-        "steps_recorded_after": int(len(idx) - i),
-        "loss_at_step": float(steps["loss"].iloc[i]),
-        "loss_before": float(steps["loss"].iloc[i - 1]) if i > 0 else None,
-        "total_grad_norm_before": float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
-    }
-    mods_bad = rt.module_stat(rows=[i]).to_numpy()[0]
-    checked = bool(measured_rows(mods_bad))  # -1 everywhere: not checked
-    bad_modules = [rt.module_names[j] for j in np.flatnonzero(~np.isfinite(mods_bad))]
-    evidence["modules_with_nonfinite_output"] = len(bad_modules)
-    bad_params = np.flatnonzero(grad_bad)
-    evidence["params_with_nonfinite_grad"] = {rt.param_names[j]: int(g_bad[j]) for j in bad_params[:20]}
-
-    # 1: the gradient at the model's outputs was NaN/Inf (measured on a watched step, or told by
-    # the replay's backward); 0: it was finite, the model's backward made it; -1: not known.
-    out_grad = int(steps["output_grad_nonfinite"].iloc[i])
-    from_above = False  # (backward) every gradient went bad: it came in at the outputs or above
     # The loss function on this step, read by the recorder from its graph (loss_graph.py):
     # whether the model's own outputs were finite, and the loss's ops.
     check = rt.loss_checks.get(step, {})
-    outs_bad, ops = check.get("outputs_nonfinite", -1), check.get("ops")
-    if ops is not None:
-        evidence["loss_ops"] = ops
-    if outs_bad != -1:
-        evidence["outputs_nonfinite_on_step"] = bool(outs_bad)
-    if batch_bad[i]:
-        stage, where = "batch", []
-        what = f"the input batch of step {step} already held NaN/Inf"
-    elif origin[i] >= 0:
-        stage, where = "forward", [rt.module_names[origin[i]]]
-        name = rt.module_names[origin[i]] or "(the model's own forward)"
-        mtype = rt.module_types[origin[i]]
-        what = (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {step}: its "
-                f"output was non-finite while its inputs were finite")
-        evidence["origin_module_output_absmax"] = float(mods_bad[origin[i]])
-        consumer = int(steps["nonfinite_consumer"].iloc[i])
-        if 0 <= consumer < len(rt.module_names) and consumer != origin[i]:
-            # The origin made a -Inf (a log of 0, say), which the consumer turned into NaN/+Inf.
-            cname = rt.module_names[consumer] or "(the model's own forward)"
-            what = (f"{name} ({mtype}) made -Inf from finite inputs at step {step} (a log or a "
-                    f"division of 0?), and {cname} ({rt.module_types[consumer]}), which took it in, "
-                    f"turned it into NaN/Inf")
-            evidence["chain"] = {"producer": rt.module_names[origin[i]], "consumer": rt.module_names[consumer],
-                                 "step": step}
-    elif loss_bad[i] and not checked and outs_bad == 0:
-        # Modules not checked, but the model's outputs themselves were, on the step itself.
-        stage, where = "loss", []
-        what = (f"the model's outputs were finite at step {step} (checked on the step itself) but the loss was "
-                f"{steps['loss'].iloc[i]}: the loss function made it{_loss_ops.clause(ops, True)}")
-    elif loss_bad[i] and not checked:
-        stage, where = "unchecked", []
-        what = (f"the loss was {steps['loss'].iloc[i]} at step {step}, a step whose module outputs were not "
-                f"checked (the recorder watches every module on sampled steps, and its replay of this step "
-                f"on a copy of the model did not reproduce the NaN/Inf)")
-        what += ("; the model's outputs already held NaN/Inf on that step" if outs_bad == 1
-                 else _loss_ops.clause(ops, True))
-    elif loss_bad[i]:
-        stage, where = "loss", []
-        what = (f"every module output was finite at step {step} but the loss was {steps['loss'].iloc[i]}"
-                f"{_loss_ops.clause(ops, True)}")
-    elif bad_params.size and out_grad == 1:
+    # The first bad step's own rows: that is all of the steps x tensors tables it needs.
+    return _FirstBadStep(
+        row=i, step=step, steps_after=int(any_bad[i:].sum()), recorded_after=int(len(idx) - i),
+        loss=steps["loss"].iloc[i],
+        loss_before=float(steps["loss"].iloc[i - 1]) if i > 0 else None,
+        grad_norm_before=float(rt.total_grad_norm.iloc[i - 1]) if i > 0 else None,
+        batch_bad=bool(batch_bad[i]), origin=int(origin[i]), consumer=int(steps["nonfinite_consumer"].iloc[i]),
+        loss_bad=bool(loss_bad[i]), outs_bad=check.get("outputs_nonfinite", -1), ops=check.get("ops"),
+        out_grad=int(steps["output_grad_nonfinite"].iloc[i]),
+        module_absmax=rt.module_stat(rows=[i]).to_numpy()[0],
+        grad_nonfinite=rt.param_stat("grad_nonfinite", rows=[i]).to_numpy()[0],
+        weight_bad=~np.isfinite(rt.param_stat("param_norm", rows=[i]).to_numpy()[0]))
+
+
+def _stage(m: _FirstBadStep) -> str:
+    """Where in the step the NaN/Inf was born: the first part of the step, in the order it runs
+    them, that was non-finite while what fed it was finite."""
+    if m.batch_bad:
+        return "batch"
+    if m.origin >= 0:
+        return "forward"
+    if m.loss_bad:
+        # Unchecked modules clear the forward pass only if the model's outputs were checked.
+        return "loss" if m.checked or m.outs_bad == 0 else "unchecked"
+    if m.grad_bad.any():
         # The gradient arriving at the model's outputs was NaN/Inf already: born in the backward
         # of the loss, outside the model (sqrt/norm of 0, log(0) in a hand-written loss).
-        stage, where = "loss_backward", []
-        what = (f"the forward pass and the loss of step {step} were finite, but the gradient the loss sent "
-                f"back to the model's outputs was already NaN/Inf: it was born in the loss function's backward "
-                f"({len(bad_params)} parameter(s) got NaN/Inf gradients from it){_loss_ops.clause(ops, False)}")
-    elif bad_params.size:
-        first = int(bad_params.max())  # backward reaches the last-defined parameters first
-        stage, where = "backward", [rt.param_names[first]]
-        forward = f"the forward pass of step {step} was finite" if checked else f"the loss of step {step} was finite"
-        what = (f"{forward} but the gradient of {rt.param_names[first]} went non-finite "
-                f"({len(bad_params)} parameter(s) with NaN/Inf gradients)")
-        from_above = out_grad == -1 and _entered_at_outputs(rt, i, grad_bad)
-        if from_above:
-            # Every gradient, the ones backward reaches first included: the NaN/Inf came in at or
-            # above the last layer. This step did not tell whether the gradient at the outputs
-            # was already non-finite (a watched step, or the replay's backward, would).
-            what += (f", every one of them: it came into the backward pass at {rt.param_names[first]} or "
-                     f"above it, from the loss function's backward or an operation after the last layer"
-                     f"{_loss_ops.clause(ops, False)}")
-    else:
-        bad_w = np.flatnonzero(w_bad)
-        stage, where = "optimizer", [rt.param_names[j] for j in bad_w[:5]]
-        what = (f"gradients at step {step} were finite but {len(bad_w)} parameter(s) went non-finite "
-                f"in the optimizer update")
+        return "loss_backward" if m.out_grad == 1 else "backward"
+    return "optimizer"
+
+
+def _chained(rt: RankTrace, m: _FirstBadStep) -> bool:
+    """The origin made a -Inf (a log of 0, say), which another module turned into NaN/+Inf."""
+    return 0 <= m.consumer < len(rt.module_names) and m.consumer != m.origin
+
+
+def _evidence(rt: RankTrace, m: _FirstBadStep, stage: str) -> Evidence:
+    evidence = {
+        "first_step": m.step,
+        "nonfinite_steps_after": m.steps_after,
+        "steps_recorded_after": m.recorded_after,
+        "loss_at_step": float(m.loss),
+        "loss_before": m.loss_before,
+        "total_grad_norm_before": m.grad_norm_before,
+        "modules_with_nonfinite_output": len(np.flatnonzero(~np.isfinite(m.module_absmax))),
+        "params_with_nonfinite_grad": {rt.param_names[j]: int(m.grad_nonfinite[j])
+                                       for j in np.flatnonzero(m.grad_bad)[:20]},
+    }
+    if m.ops is not None:
+        evidence["loss_ops"] = m.ops
+    if m.outs_bad != -1:
+        evidence["outputs_nonfinite_on_step"] = bool(m.outs_bad)
+    if stage == "forward":
+        evidence["origin_module_output_absmax"] = float(m.module_absmax[m.origin])
+        if _chained(rt, m):
+            evidence["chain"] = {"producer": rt.module_names[m.origin], "consumer": rt.module_names[m.consumer],
+                                 "step": m.step}
     evidence["stage"] = stage
-    summary = (f"First NaN/Inf at step {step}: {what}; "
-               f"{n_bad_steps} of the {len(idx) - i} steps recorded from then on are non-finite.")
-    advice = _ADVICE[stage]
-    if stage in ("loss", "loss_backward") or (stage == "backward" and from_above):
-        advice = _loss_ops.advice(ops) + advice
-    return [Finding(KIND, "error", step, where, summary, evidence, advice)]
+    return evidence
+
+
+def _birth(rt: RankTrace, m: _FirstBadStep, stage: str, from_above: bool) -> tuple[list[str], str]:
+    """(where, what happened): the finding's names, and its summary's account of the birth."""
+    step = m.step
+    if stage == "batch":
+        return [], f"the input batch of step {step} already held NaN/Inf"
+    if stage == "forward":
+        return [rt.module_names[m.origin]], _forward_birth(rt, m)
+    if stage == "loss" and not m.checked:
+        return [], (f"the model's outputs were finite at step {step} (checked on the step itself) but the loss was "
+                    f"{m.loss}: the loss function made it{_loss_ops.clause(m.ops, True)}")
+    if stage == "unchecked":
+        what = (f"the loss was {m.loss} at step {step}, a step whose module outputs were not "
+                f"checked (the recorder watches every module on sampled steps, and its replay of this step "
+                f"on a copy of the model did not reproduce the NaN/Inf)")
+        return [], what + ("; the model's outputs already held NaN/Inf on that step" if m.outs_bad == 1
+                           else _loss_ops.clause(m.ops, True))
+    if stage == "loss":
+        return [], (f"every module output was finite at step {step} but the loss was {m.loss}"
+                    f"{_loss_ops.clause(m.ops, True)}")
+    if stage == "loss_backward":
+        return [], (f"the forward pass and the loss of step {step} were finite, but the gradient the loss sent "
+                    f"back to the model's outputs was already NaN/Inf: it was born in the loss function's backward "
+                    f"({len(np.flatnonzero(m.grad_bad))} parameter(s) got NaN/Inf gradients from it)"
+                    f"{_loss_ops.clause(m.ops, False)}")
+    if stage == "backward":
+        return _backward_birth(rt, m, from_above)
+    bad_w = np.flatnonzero(m.weight_bad)
+    return [rt.param_names[j] for j in bad_w[:5]], (f"gradients at step {step} were finite but {len(bad_w)} "
+                                                    f"parameter(s) went non-finite in the optimizer update")
+
+
+def _forward_birth(rt: RankTrace, m: _FirstBadStep) -> str:
+    name = rt.module_names[m.origin] or "(the model's own forward)"
+    mtype = rt.module_types[m.origin]
+    if not _chained(rt, m):
+        return (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {m.step}: its "
+                f"output was non-finite while its inputs were finite")
+    cname = rt.module_names[m.consumer] or "(the model's own forward)"
+    return (f"{name} ({mtype}) made -Inf from finite inputs at step {m.step} (a log or a "
+            f"division of 0?), and {cname} ({rt.module_types[m.consumer]}), which took it in, "
+            f"turned it into NaN/Inf")
+
+
+def _backward_birth(rt: RankTrace, m: _FirstBadStep, from_above: bool) -> tuple[list[str], str]:
+    bad_params = np.flatnonzero(m.grad_bad)
+    first = int(bad_params.max())  # backward reaches the last-defined parameters first
+    forward = f"the forward pass of step {m.step} was finite" if m.checked else f"the loss of step {m.step} was finite"
+    what = (f"{forward} but the gradient of {rt.param_names[first]} went non-finite "
+            f"({len(bad_params)} parameter(s) with NaN/Inf gradients)")
+    if from_above:
+        what += (f", every one of them: it came into the backward pass at {rt.param_names[first]} or "
+                 f"above it, from the loss function's backward or an operation after the last layer"
+                 f"{_loss_ops.clause(m.ops, False)}")
+    return [rt.param_names[first]], what
 
 
 def _entered_at_outputs(rt: RankTrace, i: int, grad_bad: np.ndarray) -> bool:

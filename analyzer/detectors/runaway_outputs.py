@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 from ._exploding_at_init import weighted_layers
 from .loss_divergence import loss_series
@@ -38,6 +38,16 @@ class RunawayOutputsConfig:
 
     def __post_init__(self):
         _check(self, ratio=(1.0, None), window=(1, None), baseline_samples=(1, None))
+
+
+class Evidence(BaseEvidence, total=False):
+    layer: str  # the output layer: the last leaf module with weights
+    output_absmax_before: float  # the median of its max |output| on the watched steps before the window
+    output_absmax_peak: float  # the largest of it in the window before the failure
+    growth: float  # peak / before (a ratio)
+    threshold_ratio: float  # the growth judged a runaway (ratio)
+    first_nonfinite_step: int  # the failure: the first step whose loss or gradients went NaN/Inf
+    watched_steps: dict  # step -> the layer's max |output|, on the last watched steps before the failure
 
 
 KIND = "runaway_outputs"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..findings import Finding
+from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 
 
@@ -23,6 +23,14 @@ class SaturationConfig:
     # its linear range; Glorot & Bengio 2010 saw the top sigmoid layer saturate). Healthy tanh
     # layers in our tests stay under 10% (measured).
     share: float = 0.5
+
+
+class Evidence(BaseEvidence, total=False):
+    function: str  # the activation: tanh or sigmoid
+    saturated_share: float  # share of its outputs within 1% of its bounds in the latest window (0..1)
+    threshold_share: float  # the share it is judged against (share, 0..1)
+    window_steps: list  # [first, last] step of that window
+    share_per_window: list  # [first step, last step, saturated share] of each of the last 20 windows
 
 
 KIND = "saturation"

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 
+from ...analyzer.detectors import attention_collapse
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -23,7 +24,8 @@ _HOW = {"entropy": ("the attention entropy of ", " collapsed"),
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
     if len(fs) == 1:
-        before, after = _HOW.get(f.evidence.get("collapse"), ("the attention of ", " collapsed"))
+        ev: attention_collapse.Evidence = f.evidence
+        before, after = _HOW.get(ev.get("collapse"), ("the attention of ", " collapsed"))
         return text(before, name(f.where[0] if f.where else ""), f"{after} from {step(f.step)}")
     return text("the attention of ", names([w for g in fs for w in g.where]),
                 f" collapsed from {step(min(g.step for g in fs))}")
@@ -40,7 +42,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     j = rows[0]
     site = sites.iloc[j]
     heads = list(range(int(site["head_offset"]), int(site["head_offset"] + site["heads"])))
-    how = f.evidence.get("collapse", "entropy")
+    ev: attention_collapse.Evidence = f.evidence
+    how = ev.get("collapse", "entropy")
     cfg = ctx.cfg.attention_collapse
     span = ctx.span(rt)
     label = module or "(model)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analyzer.detectors import dead_relu
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -17,11 +18,16 @@ SHARED_FIGURE = True
 
 def phrase(fs: list[Finding]) -> Text:
     where = [w for f in fs for w in f.where]
-    shares = [f.evidence.get("dead_share") for f in fs]
+    shares = [_dead_share(f) for f in fs]
     if len(fs) == 1:
         return text(f"{num(100 * shares[0], '.0f')}% of the units of ", names(where),
                     f" were dead from {step(fs[0].step)}")
     return text("most units of ", names(where), f" were dead from {step(min(f.step for f in fs))}")
+
+
+def _dead_share(f: Finding) -> float | None:
+    ev: dead_relu.Evidence = f.evidence
+    return ev.get("dead_share")
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ...analyzer.detectors import loss_plateau
 from ...analyzer.findings import Finding
 from ...analyzer.series import trailing_median
 from .. import plots
@@ -16,8 +17,8 @@ KIND = "loss_plateau"
 
 
 def phrase(fs: list[Finding]) -> Text:
-    f = fs[0]
-    return text(f"the loss plateaued at {num(f.evidence.get('loss_level'), '.4g')} from {step(f.step)}")
+    ev: loss_plateau.Evidence = fs[0].evidence
+    return text(f"the loss plateaued at {num(ev.get('loss_level'), '.4g')} from {step(fs[0].step)}")
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure:
@@ -31,7 +32,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     w = max(2, min(50, len(y) // 20))
     med = pd.Series(trailing_median(np.where(np.isfinite(y), y, np.nan), w), index=loss.index)
     med.iloc[: w - 1] = np.nan
-    ev = f.evidence
+    ev: loss_plateau.Evidence = f.evidence
     level, start = ev.get("loss_level"), ev.get("plateau_start_step", f.step)
     spans, hlines = [], []
     if isinstance(level, (int, float)) and start is not None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ...analyzer.detectors import nonfinite
 from ...analyzer.errors import TraceError
 from ...analyzer.findings import Finding
 from .. import plots
@@ -22,7 +23,8 @@ NEIGHBOURS = 8
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    stage = f.evidence.get("stage")
+    ev: nonfinite.Evidence = f.evidence
+    stage = ev.get("stage")
     at = step(f.step)
     if stage == "forward" and f.where:
         return text(f"NaN/Inf appeared at {at} in the forward pass of ", name(f.where[0]))
@@ -66,7 +68,8 @@ def _blackbox_note(rt, f: Finding) -> str:
 
 def _figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
-    stage = f.evidence.get("stage")
+    ev: nonfinite.Evidence = f.evidence
+    stage = ev.get("stage")
     span, note = ctx.window(rt, f.step)
     if stage == "forward" and f.where and f.where[0] in rt.module_names:
         return _forward(ctx, f, rt, span, note)

@@ -29,9 +29,9 @@ def test_every_detector_declares_its_evidence():
 def _evidence_reads(tree: ast.AST) -> set[str]:
     """String keys read from an ``.evidence`` dict (or a name bound to one) in this source:
     ``x.evidence["k"]``, ``x.evidence.get("k")``, ``"k" in x.evidence``."""
-    aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+    aliases = {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
                and isinstance(n.value, ast.Attribute) and n.value.attr == "evidence"
-               for t in n.targets if isinstance(t, ast.Name)}
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
 
     def is_evidence(x) -> bool:
         return isinstance(x, ast.Attribute) and x.attr == "evidence" or isinstance(x, ast.Name) and x.id in aliases
@@ -71,8 +71,9 @@ def test_reports_read_only_declared_evidence(path):
 
 
 def test_the_reader_check_sees_a_misspelt_key():
-    tree = ast.parse("def f(x):\n    ev = x.evidence\n    return ev.get('stag'), x.evidence['stage'], 'r2' in ev\n")
-    assert _evidence_reads(tree) == {"stag", "stage", "r2"}
+    tree = ast.parse("def f(x):\n    ev = x.evidence\n    e2: dict = x.evidence\n"
+                     "    return ev.get('stag'), x.evidence['stage'], 'r2' in ev, e2['lr']\n")
+    assert _evidence_reads(tree) == {"stag", "stage", "r2", "lr"}
 
 
 def undeclared_keys(findings) -> list[tuple[str, list[str]]]:
