@@ -19,7 +19,7 @@ from .context import Context, no_figure
 from .format import bounded, evidence_rows, shorten
 from .model import Figure, FindingView, Report, Table
 from .sections import section
-from .summary import build_verdict, recorder_settings, run_facts
+from .summary import build_verdict, recorder_settings, run_facts, run_line
 
 MAX_FULL_FINDINGS = 30
 MAX_FIGURES = 16
@@ -81,15 +81,20 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             rank=f.rank if len(trace.ranks) > 1 else None,
             where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
             summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
+    verdict = build_verdict(findings, len(trace.ranks), anchors)
+    first = next((v for v in views if v.anchor == verdict.first_anchor), None)
+    if first is not None and first.figure is not None and first.figure.png:
+        verdict = replace(verdict, figure=first.figure)  # the first cause's figure, on the first screen
     # Every string of the report cut to a size its renderers can lay out (names from the trace may
     # be 100,000 characters); the model summary is cut line by line by appendix.model_summary.
     report = bounded(Report(
         title=f"torchautopsy report: {trace.run_dir}",
         run_dir=trace.run_dir,
         version=__version__,
+        run_line=run_line(trace),
         facts=run_facts(trace),
         settings=recorder_settings(trace),
-        verdict=build_verdict(findings, len(trace.ranks), anchors),
+        verdict=verdict,
         findings=views,
         more_findings=_more_findings(findings[MAX_FULL_FINDINGS:]),
         overview=overview_figs,

@@ -15,11 +15,11 @@ from ..analyzer.findings import Finding
 from ..analyzer.restarts import restart_lines
 from ..analyzer.trace import Trace
 from .model import plain
-from .summary import build_verdict, ending, plural, steps_span
+from .summary import build_verdict, run_line
 
-# 16 fixed lines, at most MAX_ROWS table rows (and 2 saying more are left out), 2 for the black
+# 18 fixed lines, at most MAX_ROWS table rows (and 2 saying more are left out), 2 for the black
 # box: 40 lines at most.
-MAX_ROWS = 20
+MAX_ROWS = 18
 _CELL_CHARS = {"kind": 28, "where": 60, "summary": 160}
 _WHERE_NAMES = 3  # names listed in the "where" cell, each cut to NAME_CHARS / 2
 _VERDICT_CHARS = 700
@@ -55,24 +55,17 @@ def md_text(text: str, width: int, word: int | None = None) -> str:
 
 
 def _run_line(trace: Trace) -> str:
-    ranks = list(trace.ranks.values())
-    meta = ranks[0].meta
-    steps = (steps_span(ranks[0]) if len({r.n_steps for r in ranks}) == 1
-             else "steps " + ", ".join(f"{r.n_steps} on rank {r.rank}" for r in ranks))
-    ends = sorted({ending(r) for r in ranks})
-    text = (f"{meta.get('model_class', 'unknown')} ({int(meta.get('n_parameters', 0)):,} parameters), "
-            f"{steps}, {plural(len(ranks), 'rank')}; ended: {'; '.join(ends)}")
-    if trace.unreadable:
-        text += f"; {len(trace.unreadable)} rank file(s) unreadable"
-    return "**Run:** " + md_text(text, 400, NAME_CHARS)
+    return "**Run:** " + md_text(run_line(trace), 400, NAME_CHARS)
 
 
 def _verdict_line(findings: list[Finding], n_ranks: int) -> str:
+    """The verdict and, when something went wrong, what to do first (the first finding's advice)."""
     v = build_verdict(findings, n_ranks)
     if v.severity == "ok":
         return f"**Verdict:** No problem found (checked: {', '.join(v.checked)})."
     chain = " ".join(plain(s) for s in v.sentences)
-    return f"**Verdict:** {md_text(v.headline, 200, NAME_CHARS)}. {md_text(chain, _VERDICT_CHARS, NAME_CHARS)}"
+    line = f"**Verdict:** {md_text(v.headline, 200, NAME_CHARS)}. {md_text(chain, _VERDICT_CHARS, NAME_CHARS)}"
+    return line + (f"\n\n**Fix first:** {md_text(v.fix, _VERDICT_CHARS, NAME_CHARS)}" if v.fix else "")
 
 
 def _findings_table(findings: list[Finding]) -> list[str]:

@@ -85,6 +85,8 @@ class Verdict:
     n_problems: int
     n_notes: int
     first_anchor: str | None  # the finding the chain starts with
+    fix: str = ""  # the first finding's advice, its first sentence: what to do first
+    figure: "Figure | None" = None  # the first finding's figure, shown with the verdict
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class Report:
     title: str
     run_dir: str
     version: str
-    facts: list[Fact]
+    run_line: str  # model, steps, ranks, how it ended; optimizer and learning rate: one line
+    facts: list[Fact]  # the run's details (appendix; the bad ones also under the verdict)
     settings: list[tuple[str, str]]  # recorder settings, name -> value
     verdict: Verdict
     findings: list[FindingView]  # shown in full, most severe first, then by step

@@ -136,8 +136,37 @@ class _Doc(FPDF):
 
     # -- header and verdict -----------------------------------------------------------------------
     def header_page(self) -> None:
+        """The first page: the run in one line, the verdict with its fix and figure, the findings."""
         self.add_page()
         self._heading("torchautopsy report", 0)
+        self._text(self.r.run_dir, size=8.5, color=_MUTED, family="mono")
+        self._text(self.r.run_line, size=9.5)
+        for f in self.r.facts:
+            if f.bad:
+                self._text(f"{f.label}: {f.value}", size=9.5, style="B", color=_RGB["error"])
+        self.ln(3)
+        self._verdict()
+        self._finding_list()
+
+    def _finding_list(self) -> None:
+        if not self.r.findings:
+            return
+        self._font("sans", "", 8.5)
+        with self.table(col_widths=(12, 28, 16, 44), first_row_as_headings=False, text_align="LEFT",
+                        borders_layout=TableBordersLayout.HORIZONTAL_LINES, line_height=4.2,
+                        padding=(0.6, 1, 0.6, 0)) as table:
+            for f in self.r.findings:
+                row = table.row()
+                row.cell(f.severity.upper(), style=FontFace(emphasis="B", color=_RGB.get(f.severity, _MUTED)))
+                row.cell(f.kind)
+                row.cell(("" if f.step is None else f"step {f.step:,}") + ("" if f.rank is None else f" · rank {f.rank}"))
+                where = (f.where[0] or "(model)") if f.where else ""
+                more = len(f.where) - 1 + f.where_more if f.where else 0
+                row.cell(where + (f" +{more}" if more > 0 else ""))
+        self.ln(4)
+
+    def run_table(self) -> None:
+        """The appendix's table of the run: its facts and the recorder's settings."""
         rows = [(f.label, f.value, f.bad) for f in self.r.facts]
         if self.r.settings:
             rows.append(("Recorder settings", ", ".join(f"{k}={v}" for k, v in self.r.settings), False))
@@ -149,8 +178,7 @@ class _Doc(FPDF):
                 row = table.row()
                 row.cell(label, style=FontFace(emphasis="B", color=_MUTED))
                 row.cell(value, style=FontFace(emphasis="B", color=_RGB["error"]) if bad else None)
-        self.ln(5)
-        self._verdict()
+        self.ln(4)
 
     def _verdict(self) -> None:
         v = self.r.verdict
@@ -167,12 +195,11 @@ class _Doc(FPDF):
         for sentence in v.sentences:
             self._spans(sentence, size=10)
             self.ln(1.2)
+        if v.fix:
+            self._text(f"Fix first: {v.fix}", size=10, style="B")
         if v.severity == "ok":
             self._text(f"Checked: {', '.join(v.checked)}." + (f" {v.n_notes} note(s) below." if v.n_notes else ""),
                        size=10)
-        elif len(self.r.findings) > 1:
-            self._text("The findings follow, most severe first (the PDF's bookmarks list them).",
-                       size=8.5, color=_MUTED)
         bottom = self.get_y()
         self.set_left_margin(MARGIN)
         if self.page_no() == page:
@@ -180,6 +207,8 @@ class _Doc(FPDF):
             self.rect(MARGIN, top, 2.2, bottom - top, style="F")
             self.set_fill_color(255, 255, 255)
         self.ln(4)
+        if v.figure is not None:
+            self._figure(v.figure)
 
     # -- findings ---------------------------------------------------------------------------------
     def findings(self) -> None:
@@ -224,7 +253,12 @@ class _Doc(FPDF):
             self._table(r.more_findings)
 
     def _heading_finding(self, f) -> None:
-        if self.will_page_break(60):
+        # The title, the summary and the figure on one page when they fit on one: a title left
+        # at the foot of a page with its figure on the next reads as two findings.
+        need = 24 + self._height(f.summary, 9.5)
+        if f.figure is not None and f.figure.png:
+            need += self._figure_size(f.figure)[1] + self._height(f.figure.caption, 7.8) + 9
+        if self.will_page_break(min(need, self.eph - 10) if need < self.eph else 60):
             self.add_page()
         title = f"{f.kind}" + (f" at step {f.step:,}" if f.step is not None else "")
         self.start_section(shorten(f"{f.severity}: {title}", 120), level=1)
@@ -252,12 +286,15 @@ class _Doc(FPDF):
                 row.cell(value)
 
     # -- figures and tables -----------------------------------------------------------------------
+    def _figure_size(self, fig: Figure) -> tuple[float, float]:
+        """The width and height a figure is placed at, in mm: as drawn, or the page's width."""
+        w, h = fig.width_in * 25.4, fig.height_in * 25.4
+        return (self.epw, h * self.epw / w) if w > self.epw else (w, h)
+
     def _figure(self, fig: Figure) -> None:
         caption_h = self._height(fig.caption, 7.8) + 3
         if fig.png:
-            w, h = fig.width_in * 25.4, fig.height_in * 25.4
-            if w > self.epw:
-                w, h = self.epw, h * self.epw / w
+            w, h = self._figure_size(fig)
             if self.will_page_break(h + caption_h + (6 if fig.title else 0)):
                 self.add_page()
         if fig.title:
@@ -301,6 +338,8 @@ class _Doc(FPDF):
         r = self.r
         self.add_page()
         self._heading("Appendix", 1)
+        self._heading("The run", 2)
+        self.run_table()
         self._heading("What the trace holds", 2)
         self._font("sans", "", 8.5)
         with self.table(col_widths=(4, 40, 56), first_row_as_headings=False, text_align="LEFT",

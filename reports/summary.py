@@ -5,6 +5,11 @@ The renderers (HTML, PDF, Markdown) take these strings and escape them for their
 
 from __future__ import annotations
 
+import math
+import re
+
+import numpy as np
+
 from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
 from ..analyzer.restarts import restart_lines
 from ..analyzer.run import checked_kinds
@@ -20,8 +25,8 @@ CLEAN_END = "closed cleanly"
 # The verdict names the first problem and at most this many after it (grouped by kind).
 MAX_CHAIN = 5
 
-__all__ = ["CLEAN_END", "build_verdict", "ending", "format_bytes", "format_duration",
-           "plural", "recorder_settings", "run_facts", "steps_span"]
+__all__ = ["CLEAN_END", "build_verdict", "ending", "first_fix", "format_bytes", "format_duration",
+           "plural", "recorder_settings", "run_facts", "run_line", "steps_span"]
 
 
 def build_verdict(findings: list[Finding], n_ranks: int = 1,
@@ -66,7 +71,14 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     on = f" on rank {head_f.rank}" if n_ranks > 1 and head_f.rank is not None else ""
     headline = f"{', '.join(counts)}; first to go wrong: {head_f.kind}{at}{on}"
     anchor = (anchors or {}).get(id(head_f))
-    return Verdict(worst, headline, tuple(sentences), checked_kinds(findings), len(problems), notes, anchor)
+    return Verdict(worst, headline, tuple(sentences), checked_kinds(findings), len(problems), notes, anchor,
+                   fix=first_fix(head_f.advice))
+
+
+def first_fix(advice: str) -> str:
+    """The advice's first sentence: the one thing to try first, for the verdict."""
+    m = re.match(r"(.+?[.!?])(\s|$)", advice.strip(), re.S)
+    return (m.group(1) if m else advice.strip())
 
 
 def _when(f: Finding):
@@ -89,6 +101,40 @@ def _capitalize(t: Text) -> Text:
 
 
 # -- the header -----------------------------------------------------------------------------------
+def run_line(trace: Trace) -> str:
+    """The run in one line: model, parameters, steps, ranks, how it ended; the optimizer and its
+    learning rate. ``Sequential (5,313 parameters), 100 steps (0-99), 1 rank, 0.4 s; Adam, lr
+    0.001; closed cleanly``."""
+    ranks = list(trace.ranks.values())
+    first = ranks[0]
+    meta = first.meta
+    steps = steps_span(first) if len({r.n_steps for r in ranks}) == 1 else _steps(ranks)
+    parts = [f"{meta.get('model_class', 'unknown')} ({int(meta.get('n_parameters', 0)):,} parameters), {steps}, "
+             f"{plural(len(ranks), 'rank')}, {format_duration(max(r.wall_time_s for r in ranks))}"]
+    opt = optimizer_line(first)
+    if opt:
+        parts.append(opt)
+    ends = sorted({ending(r) for r in ranks})
+    parts.append("; ".join(ends))
+    if trace.unreadable:
+        parts.append(f"{plural(len(trace.unreadable), 'rank file')} unreadable")
+    return "; ".join(parts)
+
+
+def optimizer_line(rt: RankTrace) -> str:
+    """``Adam, lr 0.001`` or ``AdamW, lr 1e-05 to 0.0003``: the first optimizer and the range of its
+    learning rate; "" when the trace has neither."""
+    names = [str(c) for c in rt.optimizers["class"]] if len(rt.optimizers) else []
+    lr = rt.steps["lr"].to_numpy(dtype=np.float64) if rt.n_steps else np.zeros(0)
+    lr = lr[np.isfinite(lr)]
+    rate = ""
+    if lr.size:
+        lo, hi = float(lr.min()), float(lr.max())
+        rate = f"lr {lo:.3g}" if math.isclose(lo, hi, rel_tol=1e-9) else f"lr {lo:.3g} to {hi:.3g}"
+    opt = " + ".join(dict.fromkeys(names))
+    return ", ".join(p for p in (opt, rate) if p)
+
+
 def run_facts(trace: Trace) -> list[Fact]:
     """The run summary of a report's header, one line each."""
     ranks = list(trace.ranks.values())

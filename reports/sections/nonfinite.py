@@ -19,6 +19,10 @@ from ._text import name, names, step, text
 KIND = "nonfinite"
 # Modules drawn beside the one that produced the NaN: its nearest neighbours in definition order.
 NEIGHBOURS = 8
+# The figure shows what led to the NaN: this many of the recorder's checks before it (module
+# outputs are checked on watched steps, every activations_every; gradients and loss every step,
+# of which STEPS_BEFORE), and a few steps after.
+CHECKS_BEFORE, STEPS_BEFORE = 8, 40
 
 
 def phrase(fs: list[Finding]) -> Text:
@@ -70,8 +74,12 @@ def _figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     ev: nonfinite.Evidence = f.evidence
     stage = ev.get("stage")
-    span, note = ctx.window(rt, f.step)
-    if stage == "forward" and f.where and f.where[0] in rt.module_names:
+    forward = stage == "forward" and f.where and f.where[0] in rt.module_names
+    config = rt.meta.get("config") if isinstance(rt.meta.get("config"), dict) else {}
+    every = config.get("activations_every", 10)
+    span, note = _before(ctx, rt, f.step, CHECKS_BEFORE * every if forward and isinstance(every, int) and
+                         0 < every < 10**6 else STEPS_BEFORE)
+    if forward:
         return _forward(ctx, f, rt, span, note)
     if stage in ("backward", "loss_backward", "optimizer"):
         return _gradients(ctx, f, rt, span, note)
@@ -84,6 +92,18 @@ def _figure_for(ctx: Context, f: Finding) -> Figure:
     caption = caption.replace(" The line stops", " A red cross on the top edge marks it; the line stops")
     return figure(title, caption, plots.plot_loss, {"loss": rows_between(loss.to_frame(), span)["loss"]},
                   marks=ctx.marks(only=f), xspan=span, nonfinite_at=[(float(f.step), "loss")])
+
+
+def _before(ctx: Context, rt, at: int | None, before: int) -> tuple[tuple[float, float] | None, str]:
+    """The steps the figure shows: ``before`` steps up to the NaN's step and a few after."""
+    full = ctx.span(rt)
+    if full is None or at is None:
+        return full, ""
+    lo = max(full[0], at - before)
+    hi = min(full[1], at + max(2, (at - lo) // 8))
+    if (lo, hi) == tuple(full):
+        return full, ""
+    return (lo, hi), f" Steps {int(lo):,}-{int(hi):,}: those that led to it; the overview shows the whole run."
 
 
 def _forward(ctx, f, rt, span, note) -> Figure:

@@ -44,5 +44,22 @@ def test_sample_report(case):
     assert not [c for c in captions if "could not be drawn" in c]
     drawn = [fig for fig in report.overview if fig.png]
     assert len(drawn) >= 3  # loss, gradient heatmap, memory at least
-    assert len(images(html)) == len(drawn) + sum(1 for v in report.findings if v.figure and v.figure.png)
+    # (the first finding's figure is drawn twice: under the verdict, and with its finding)
+    assert len(images(html)) == len(drawn) + sum(1 for v in report.findings if v.figure and v.figure.png) \
+        + (report.verdict.figure is not None)
     assert 1 <= len(pdf_pages_text(pdf)) <= 40
+
+
+def test_the_first_screen_is_the_verdict():
+    """The run in one line, the verdict with its one-line fix and the first cause's figure, the
+    list of findings; the recorder's settings and the run's details in the appendix."""
+    trace, findings, report, html, pdf = sample_report("nan_birth")
+    verdict, listing = html.index('class="verdict'), html.index('class="finding-list"')
+    assert html.index('class="run"') < verdict < listing < html.index('<section id="findings">')
+    assert "Adam, lr 0.001" in report.run_line and "closed cleanly" in report.run_line
+    box = html[verdict:listing]
+    assert "Fix first:" in box and "<img" in box and report.verdict.fix.startswith("Find the operation")
+    assert html.index("Recorder settings") > html.index('<section id="appendix">')
+    first_page = squeeze(pdf_pages_text(pdf)[0])
+    assert squeeze(report.verdict.headline) in first_page and "Fixfirst:" in first_page
+    assert "Recordersettings" not in first_page and "features.log" in first_page
