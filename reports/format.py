@@ -27,11 +27,12 @@ __all__ = ["REPORT_NAME_CHARS", "bounded", "evidence_rows", "format_bytes", "for
 
 
 def evidence_rows(evidence: dict, depth: int = 0) -> list[EvidenceRow]:
-    """``[(key, value)]`` where each value is a string or, for a nested dict, rows again."""
+    """``[(label, value)]`` where each value is a string or, for a nested dict, rows again. A
+    finding's own keys read as words (``loss_before`` -> "Loss before"), its values with their
+    units; keys further down may be names from the trace (parameter -> value): shown as named, cut."""
     items = list(evidence.items())
-    # Keys may be names from the trace (a dict of parameter -> value): shown cut.
-    rows: list[EvidenceRow] = [(shorten(str(k), REPORT_NAME_CHARS), _evidence_value(v, depth, str(k)))
-                               for k, v in items[:MAX_EVIDENCE_ITEMS]]
+    rows: list[EvidenceRow] = [(label(str(k)) if depth == 0 else shorten(str(k), REPORT_NAME_CHARS),
+                                _evidence_value(v, depth, str(k))) for k, v in items[:MAX_EVIDENCE_ITEMS]]
     if len(items) > MAX_EVIDENCE_ITEMS:
         rows.append(("…", f"{len(items) - MAX_EVIDENCE_ITEMS} more entries not shown"))
     return rows
@@ -52,6 +53,26 @@ def _evidence_value(v, depth: int, key: str = ""):
             rows.append(("…", f"{len(v) - MAX_RECORDS} more (the JSON findings, analyze --json, hold them all)"))
         return rows
     return format_value(v, key)
+
+
+def label(key: str) -> str:
+    """An evidence key as words: ``first_death_step`` -> "First death step"."""
+    words = key.replace("_", " ").strip()
+    return shorten(words[:1].upper() + words[1:], REPORT_NAME_CHARS) if words else key
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+
+
+def _is_share(key: str, v) -> bool:
+    """A share of a whole (0..1): ``dead_share``, ``zero_frac``: shown as a percentage."""
+    return key.endswith(("_share", "_frac", "_fraction")) and _is_number(v) and 0 <= v <= 1
+
+
+def _is_step_span(key: str, v) -> bool:
+    return key.endswith("_steps") and isinstance(v, (list, tuple)) and len(v) == 2 and all(
+        _is_number(x) and float(x).is_integer() for x in v)
 
 
 def _is_seconds(key: str, v) -> bool:
@@ -90,6 +111,12 @@ def format_value(v, key: str = "") -> str:
         return _byte_count(v, key)
     if _is_seconds(key, v):
         return _seconds(v)
+    if _is_share(key, v):
+        return f"{100 * float(v):.3g}%"
+    if _is_step_span(key, v):
+        return f"steps {int(v[0]):,}-{int(v[1]):,}"
+    if (key == "step" or key.endswith("_step")) and _is_number(v) and float(v).is_integer() and v >= 0:
+        return f"step {int(v):,}"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):

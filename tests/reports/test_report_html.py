@@ -14,6 +14,7 @@ from reports_testlib import HOSTILE_IMG, HOSTILE_LONG, HOSTILE_SCRIPT
 from torchautopsy.analyzer.findings import Finding
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.reports import build_report, render_html
+from torchautopsy.reports.format import label
 from torchautopsy.reports.summary import build_verdict
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -87,7 +88,7 @@ def test_diverged_run_shows_every_finding_with_its_evidence_and_figure(diverged_
         article = html[html.index(f'id="finding-{findings.index(f) + 1}"'):]
         article = article[:article.index("</article>")]
         for key in f.evidence:
-            assert f"<th scope=\"row\">{escape(key)}</th>" in article
+            assert f"<th scope=\"row\">{escape(label(key))}</th>" in article  # the key as words
         assert str(escape(f.advice)) in article
         assert "<img " in article, f.kind  # each finding with a step has its own figure
     assert "could not be drawn" not in html
@@ -114,7 +115,8 @@ def test_findings_sorted_by_severity_then_step_with_nested_evidence(healthy):
     value = '<td class="text">{}</td>'.format
     assert value("12346") in html and value("1.235e+07") in html  # 4 digits, no needless exponent
     assert value("Inf") in html and value("NaN") in html and value("-") in html
-    assert value("[0, 4]") in html
+    assert value("steps 0-4") in html and value("50%") in html  # a span of steps; a share
+    assert '<th scope="row">Baseline steps</th>' in html and '<th scope="row">0.weight</th>' in html
     assert "(the model itself)" in html  # where = [""] is the root module
     assert "{deep: 1}" in html  # past the depth limit, nested dicts become one line
     assert "No problem found" not in html
