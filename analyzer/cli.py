@@ -5,6 +5,12 @@ output that must not be written, a bad command line) gives one line on stderr an
 ``analyze`` exits 1 when a finding reaches ``--fail-on``, else 0. Commands raise; ``main`` alone
 turns an error into its line and exit code. What ``analyze`` and ``info`` print is laid out by
 reports/terminal.py, imported when a command runs (``torchautopsy --help`` stays quick).
+
+Conventions: ``python -m torchautopsy`` is the same command. ``-`` as the path of ``--json`` or
+``--md`` writes that document to stdout, and the terminal report then goes to stderr (stdout holds
+nothing else: ``analyze RUN --json - | jq``). Colour and wrapping at word boundaries only on a
+terminal (reports/terminal_style.py: NO_COLOR, FORCE_COLOR, --color/--no-color). A reader that
+closes the pipe early (``| head``) ends the command quietly, exit code 141 (as SIGPIPE would).
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import sys
 import click
 
 from .config_file import load_config
+from .display import shorten_words
 from .errors import ConfigError, TraceError
 from .export import ExportError
-from .output import check_outputs, write_output
+from .output import STDOUT, check_outputs, write_output, write_stdout
 from .run import analyze as run_detectors
 from .trace import Trace, load
 
@@ -76,17 +83,35 @@ class _Progress:
             self.bar = None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class StdoutGone(Exception):
+    """stdout's reader closed the pipe (``| head``); raised instead of click's own handling of it,
+    which exits with 1, the code --fail-on gives."""
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as e:
+            raise StdoutGone() from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="torchautopsy")
 def cli():
     """Find what went wrong in a PyTorch training run recorded by torchautopsy.Recorder."""
 
 
+# The name in the usage lines, the same for the script and ``python -m torchautopsy`` (__main__.py).
+PROG_NAME = "torchautopsy"
+
+
 def main(argv=None) -> None:
     """Entry point: run a command, and turn whatever it raised into one line on stderr and the
-    exit code (2: unusable input or an error; 1: a finding reached --fail-on; 130: interrupted)."""
+    exit code (2: unusable input or an error; 1: a finding reached --fail-on; 130: interrupted;
+    141: the reader of stdout went away)."""
     try:
-        code = cli.main(args=argv, prog_name="torchautopsy", standalone_mode=False)
+        code = cli.main(args=argv, prog_name=PROG_NAME, standalone_mode=False)
     except click.UsageError as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `torchautopsy`: show the help
             click.echo(e.ctx.get_help())
@@ -100,6 +125,8 @@ def main(argv=None) -> None:
     except click.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except (StdoutGone, BrokenPipeError):
+        _stdout_gone()
     except INPUT_ERRORS as e:
         click.echo(f"Error: {e}", err=True)
         sys.exit(2)
@@ -112,7 +139,7 @@ def main(argv=None) -> None:
         # whatever a damaged trace drove us into ends as one line and exit 2.
         if os.environ.get("TORCHAUTOPSY_DEBUG"):
             raise
-        first = str(e).splitlines()[0][:300] if str(e) else ""
+        first = shorten_words(str(e).splitlines()[0], width=300) if str(e) else ""
         click.echo(f"Error: torchautopsy could not finish ({type(e).__name__}: {first}); the trace may be "
                    "damaged; if it is not, please report this (TORCHAUTOPSY_DEBUG=1 shows the traceback)",
                    err=True)
@@ -120,13 +147,45 @@ def main(argv=None) -> None:
     sys.exit(code or 0)
 
 
-@cli.command()
+def _stdout_gone() -> None:
+    """stdout's reader closed the pipe (``| head``): nothing more can be shown; exit quietly, as a
+    process killed by SIGPIPE would, and keep Python's final flush from complaining."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    sys.exit(141)
+
+
+_COLOR_HELP = ("Colour the severities and the verdict (default: only on a terminal, and not when "
+               "NO_COLOR is set; FORCE_COLOR turns it on).")
+_DASH = " '-' writes it to stdout (the terminal report then goes to stderr)."
+
+
+def _dash_outputs(json_path, html_path, pdf_path, md_path) -> str | None:
+    """Which output goes to stdout ('-'): 'json', 'md' or None; refuses '-' for the binary or
+    large documents and '-' twice (one line, exit code 2)."""
+    for name, path in (("--html", html_path), ("--pdf", pdf_path)):
+        if path == STDOUT:
+            raise click.BadParameter(f"{name[2:].upper()} is not written to stdout; give the path of a file "
+                                     "(./- for a file named '-')", param_hint=f"'{name}'")
+    dashes = [name for name, path in (("json", json_path), ("md", md_path)) if path == STDOUT]
+    if len(dashes) > 1:
+        raise click.UsageError("only one output can be '-' (stdout): --json and --md both are; "
+                               "give the other the path of a file")
+    return dashes[0] if dashes else None
+
+
+@cli.command(short_help="Find what went wrong in RUN_DIR; write reports (JSON, HTML, PDF, Markdown).")
 @click.argument("run_dir", type=click.Path())
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the findings as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write the findings as JSON;" + _DASH)
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
 @click.option("--pdf", "pdf_path", type=click.Path(dir_okay=False),
               help="Write the same report as a paginated PDF (A4).")
-@click.option("--md", "md_path", type=click.Path(dir_okay=False), help="Write a short Markdown report for a ticket.")
+@click.option("--md", "md_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write a short Markdown report for a ticket;" + _DASH)
 @click.option("--fail-on", type=click.Choice(["error", "warning", "info", "none"]), default="none",
               show_default=True, help="Exit with 1 when a finding of this severity or worse is found.")
 @click.option("--config", "config_path", type=click.Path(), metavar="FILE.toml",
@@ -134,8 +193,20 @@ def main(argv=None) -> None:
                    "e.g. [update_ratio] too_large = 0.2 (each detector's CONFIG in analyzer/detectors/ lists its settings).")
 @click.option("--open", "open_html", is_flag=True,
               help="Open the HTML report in a web browser (written to a temporary file without --html).")
-def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html):
-    """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file)."""
+@click.option("--color/--no-color", "colour", default=None, help=_COLOR_HELP)
+def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html, colour):
+    """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file).
+
+    Prints the findings (colour and wrapping only on a terminal); exit code 0, or 1 when a finding
+    reaches --fail-on, 2 on unusable input. '-' for --json or --md writes that to stdout:
+    torchautopsy analyze RUN --json - | jq .
+    """
+    to_stdout = _dash_outputs(json_path, html_path, pdf_path, md_path)
+    human = sys.stderr if to_stdout else sys.stdout  # stdout holds the document alone
+    if to_stdout == "json":
+        json_path = None
+    elif to_stdout == "md":
+        md_path = None
     cfg = load_config(config_path) if config_path is not None else None
     traces = _rank_files(run_dir)
     # Reports overwrite a file (people re-run into the same report.html), never a trace or a link;
@@ -150,20 +221,37 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         progress.close()
 
     from ..reports.terminal import analyze_lines
+    from ..reports.terminal_style import style_for
 
-    for line in analyze_lines(trace, findings):
-        click.echo(line)
-    if json_path:
+    style = style_for(human, colour)
+    echo = _echo_to(human, style.colour)
+    for line in analyze_lines(trace, findings, style):
+        echo(line)
+    if json_path or to_stdout == "json":
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
-        write_output(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n", traces, overwrite=True)
-        click.echo(f"wrote {json_path}")
-    _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces)
+        text = json.dumps(doc, indent=2, allow_nan=False) + "\n"
+        if json_path:
+            write_output(json_path, text, traces, overwrite=True)
+            echo(f"wrote {json_path}")
+        else:
+            write_stdout(text)
+    _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces, echo)
+    if to_stdout == "md":
+        from ..reports import render_markdown
+
+        write_stdout(render_markdown(trace, findings))
 
     if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
         sys.exit(1)
 
 
-def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces) -> None:
+def _echo_to(stream, colour: bool):
+    """click.echo to ``stream`` (stdout, or stderr when stdout holds a document), coloured or not."""
+    err = stream is sys.stderr
+    return lambda line: click.echo(line, err=err, color=colour)
+
+
+def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html, progress, traces, echo) -> None:
     """Build the report once, render each format asked for, then write them; open the HTML if asked."""
     if not (html_path or pdf_path or md_path or open_html):
         return
@@ -192,13 +280,13 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
         outputs.append((md_path, render_markdown(trace, findings)))
     for path, content in outputs:
         write_output(path, content, traces, overwrite=True)
-        click.echo(f"wrote {path}")
+        echo(f"wrote {path}")
     if open_html:
         import webbrowser
 
         url = "file://" + os.path.abspath(html_path)
         if not webbrowser.open(url):
-            click.echo(f"could not start a web browser; open {html_path} yourself")
+            echo(f"could not start a web browser; open {html_path} yourself")
 
 
 def _temporary_html(trace: Trace) -> str:
@@ -210,15 +298,18 @@ def _temporary_html(trace: Trace) -> str:
     return path
 
 
-@cli.command()
+@cli.command(short_help="Describe RUN_DIR: ranks, steps, what was recorded, size, versions.")
 @click.argument("run_dir", type=click.Path())
-def info(run_dir):
+@click.option("--color/--no-color", "colour", default=None, help=_COLOR_HELP)
+def info(run_dir, colour):
     """Describe RUN_DIR: ranks, steps, time span, what was recorded, size, versions."""
     trace = load(run_dir)
     from ..reports.terminal import info_lines
+    from ..reports.terminal_style import style_for
 
-    for line in info_lines(trace):
-        click.echo(line)
+    style = style_for(sys.stdout, colour)
+    for line in info_lines(trace, style):
+        click.echo(line, color=style.colour)
 
 
 @cli.command()
@@ -250,6 +341,9 @@ def export(run_dir, profile_path, window, snapshot_path, which, params, tensors,
 
     asked = [(select_params, "parameters", params), (select_tensors, "tensors", tensors)]
     asked = [(fn, what, parse_which(w), out) for fn, what, pair in asked if pair for w, out in [pair]]
+    if STDOUT in (profile_path, snapshot_path, *(out for *_, out in asked)):
+        raise click.UsageError("export writes files, not stdout: give the path of a file instead of '-' "
+                               "(./- for a file named '-')")
     traces = _rank_files(run_dir)
     check_outputs((profile_path, snapshot_path, *(out for *_, out in asked)), traces, overwrite=force)
     trace = load(run_dir)

@@ -35,9 +35,36 @@ def shorten(text, width: int = NAME_CHARS) -> str:
 
 def shorten_words(text, word: int = WORD_CHARS, width: int = TEXT_CHARS) -> str:
     """Running text with every unbroken run longer than ``word`` (a name inside a sentence) cut
-    in the middle, then the whole cut to ``width``. Line breaks and spaces are kept."""
+    in the middle, then the whole cut to ``width`` (its middle left out where words meet, see
+    ``_cut_text``). Line breaks and spaces are kept."""
     text = str(text)
     if len(text) > 4 * width:  # no need to scan a huge text whole: its middle is cut anyway
         text = shorten(text, 4 * width)
     text = re.sub(r"\S{%d,}" % (word + 1), lambda m: shorten(m.group(), word), text)
-    return shorten(text, width)
+    return _cut_text(text, width)
+
+
+def _cut_text(text: str, width: int) -> str:
+    """Running text longer than ``width``: its start and its end, at most ``width`` characters,
+    the middle replaced by `` … `` between two words; a word is cut (next to the ellipsis) only
+    where no space is near enough (a quarter of ``width``)."""
+    if len(text) <= width:
+        return text
+    if width < 8:
+        return shorten(text, width)
+    head_n = (width - 3) // 2
+    tail_n = width - 3 - head_n
+    head, tail = text[:head_n], text[len(text) - tail_n:]
+    reach = max(head_n // 2, 1)
+    if not text[head_n].isspace():  # the head ends inside a word: end it at the space before
+        space = max(head.rfind(" "), head.rfind("\n"))
+        if space >= head_n - reach and space > 0:
+            head = head[:space]
+    if not text[len(text) - tail_n - 1].isspace():  # the tail starts inside a word
+        found = re.search(r"\s", tail[:reach])
+        if found:
+            tail = tail[found.start():]
+    head, tail = head.rstrip(), tail.lstrip()
+    left = " " if text[len(head)].isspace() else ""  # head and tail are still a prefix and a suffix
+    right = " " if text[len(text) - len(tail) - 1].isspace() else ""
+    return f"{head}{left}{ELLIPSIS}{right}{tail}"

@@ -13,6 +13,9 @@ What it guarantees, whatever the trace or the directory holds:
 - without ``overwrite`` an existing file is kept (``export`` needs ``--force`` to replace one).
 
 Errors are one line (exit code 2) saying what is wrong and what to do.
+
+``-`` is not a path here: the CLI sends an output named ``-`` to ``write_stdout`` (``analyze --json
+-``) or refuses it; whatever reaches ``check_outputs`` or ``write_output`` is a file's path.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ import errno
 import os
 import secrets
 import stat
+import sys
 from typing import Iterable
 
 import click
+
+# The output path that means stdout (for the CLI: output.py itself never takes it for a file).
+STDOUT = "-"
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # HDF5 looks for its signature at 0, 512, 1024, 2048, ... (a file may start with a user block).
@@ -176,6 +183,21 @@ def write_output(path: str, data: str | bytes | Iterable[bytes], protect: Iterab
         _remove(tmp)
         raise
     return written
+
+
+def write_stdout(data: str | bytes) -> int:
+    """Write a document to stdout (an output given as ``-``), after whatever was echoed there; return
+    the number of bytes. A reader that went away (``| head``) raises BrokenPipeError: the CLI ends quietly."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    sys.stdout.flush()
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:  # a text-only stream (a test harness)
+        sys.stdout.write(data.decode("utf-8"))
+    else:
+        out.write(data)
+    sys.stdout.flush()
+    return len(data)
 
 
 def _temporary(folder: str, name: str) -> tuple[int, str]:

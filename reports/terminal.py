@@ -3,7 +3,9 @@ the black box, and the description of a run directory, as lines of plain text.
 
 Like markdown.py it takes the trace and the findings; the CLI echoes each line as it comes (a
 trace read lazily may still fail halfway, after what was printed). Every name and string from the
-trace is cut and stripped of control characters (display.py): a trace may hold anything.
+trace is cut and stripped of control characters (display.py): a trace may hold anything. A
+``Style`` (terminal_style.py) colours the severities and the verdict and wraps the lines at word
+boundaries on a terminal; the default, ``PLAIN``, gives plain, unwrapped lines (piped output).
 
 Imported by the CLI on every ``analyze`` and ``info``, so it imports nothing that pulls in
 matplotlib, jinja or fpdf2: not reports.summary, whose verdict chain needs reports.sections; the
@@ -14,6 +16,7 @@ same analyzer functions that summary.py uses.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,6 +29,7 @@ from ..analyzer.restarts import attempt_lines, blackbox_lines, restart_lines
 from ..analyzer.run import checked_kinds
 from ..analyzer.series import spacing
 from ..analyzer.trace import Trace
+from .terminal_style import PLAIN, Style
 
 # A finding's summary on the terminal is cut to this many characters.
 SUMMARY_CHARS = 1000
@@ -50,32 +54,49 @@ def _text(s) -> str:
 
 
 # -- analyze --------------------------------------------------------------------------------------
-def analyze_lines(trace: Trace, findings: list[Finding]) -> Iterator[str]:
+def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -> Iterator[str]:
     """The terminal report of ``analyze``: the run, its restarts and unclosed ranks, the verdict,
     a line pair per finding (as the analyzer sorted them), the counts and the black box."""
-    yield f"torchautopsy: {trace.run_dir}: {run_line(trace)}"
+    wrap = style.wrap
+    yield wrap(f"torchautopsy: {trace.run_dir}: {run_line(trace)}")
     for line in restart_lines(trace):  # a job restarted into the directory (restarts.py)
-        yield f"  {_text(line)}"
+        yield wrap(f"  {_text(line)}")
     for rt in trace.ranks.values():
         if not rt.closed_cleanly:
-            yield (f"  note: rank {rt.rank} did not close its trace (job killed?); "
-                   f"analyzed the {rt.n_steps:,} steps it flushed")
+            yield wrap(f"  note: rank {rt.rank} did not close its trace (job killed?); "
+                       f"analyzed the {rt.n_steps:,} steps it flushed")
     if not any(f.severity in _PROBLEMS for f in findings):
-        yield f"No problem found (checked: {', '.join(checked_kinds(findings))})."
+        yield style.verdict(wrap(f"No problem found (checked: {', '.join(checked_kinds(findings))})."))
     for f in findings:
-        yield finding_line(f)
+        yield finding_line(f, style)
     first = first_to_go_wrong(findings)
     ranks_hit = {f.rank for f in findings if f.severity in _PROBLEMS}
     if first is not None and len(trace.ranks) > 1 and len(ranks_hit) > 1:
-        yield (f"rank {first.rank} went wrong first: {first.kind} at step {first.step:,}"
-               + (f" ({first.evidence['stage']})" if "stage" in first.evidence else ""))
+        yield style.verdict(wrap(f"rank {first.rank} went wrong first: {first.kind} at step {first.step:,}"
+                                 + (f" ({first.evidence['stage']})" if "stage" in first.evidence else "")),
+                            first.severity)
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     if findings:
-        yield ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n)
+        worst = next(s for s in SEVERITIES if counts[s])
+        yield style.verdict(wrap(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n)),
+                            worst)
     box = blackbox_line(trace)
     if box:
-        yield box
-    yield from blackbox_lines(trace)  # of attempts before a rank's last
+        yield _wrap_command(style, box)
+    for line in blackbox_lines(trace):  # of attempts before a rank's last
+        yield _wrap_command(style, line)
+
+
+_COMMAND = "take it out with: "
+
+
+def _wrap_command(style: Style, line: str) -> str:
+    """A line that ends in a command to run, wrapped: the command on a line of its own, whole (a
+    command copied from wrapped lines would run in pieces; a terminal folds a long one softly)."""
+    if style.width is None or len(line) <= style.width or _COMMAND not in line:
+        return style.wrap(line)
+    prose, command = line.split(_COMMAND, 1)
+    return f"{style.wrap(prose + _COMMAND.rstrip())}\n    {command}"
 
 
 def run_line(trace: Trace) -> str:
@@ -89,14 +110,17 @@ def run_line(trace: Trace) -> str:
             f"{rt0.wall_time_s:.1f} s")
 
 
-def finding_line(f: Finding) -> str:
-    """Two lines: severity, kind, rank, step and where; then the summary."""
+def finding_line(f: Finding, style: Style = PLAIN) -> str:
+    """Two lines (more where ``style`` wraps them): severity, kind, rank, step and where; then the summary."""
     # Names come from the trace: each cut (the JSON findings hold them whole), and so is the summary.
     where = ", ".join(shorten(w or "(model)") for w in f.where[:3]) or "-"
     step = f"step {f.step:,}" if f.step is not None else "-"
     rank = f"rank {f.rank}" if f.rank is not None else ""
-    head = f"  {f.severity.upper():8} {f.kind:22} {rank:7} {step:12} {where}"
-    return f"{head}\n      {shorten_words(f.summary, NAME_CHARS, SUMMARY_CHARS)}"
+    severity = f.severity.upper()
+    head = style.wrap(f"  {severity:8} {f.kind:22} {rank:7} {step:12} {where}", hang=11)
+    head = "  " + style.severity(f.severity, severity) + head[2 + len(severity):]  # wrapped before colouring
+    summary = style.wrap(f"      {shorten_words(f.summary, NAME_CHARS, SUMMARY_CHARS)}", hang=6)
+    return f"{head}\n{summary}"
 
 
 def blackbox_line(trace: Trace) -> str:
@@ -107,7 +131,7 @@ def blackbox_line(trace: Trace) -> str:
     rt, row, rank = fired
     when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
     return (f"black box: rank {rt.rank} kept step {int(row['step']):,} ({shorten(row['trigger'], NAME_CHARS)}), "
-            f"parameters {when}; take it out with: torchautopsy export {trace.run_dir}{rank} --params blackbox "
+            f"parameters {when}; take it out with: torchautopsy export {shlex.quote(trace.run_dir)}{rank} --params blackbox "
             "params.safetensors --tensors blackbox inputs.safetensors")
 
 
@@ -116,9 +140,14 @@ _STORED_LABELS = {"Parameter snapshots": "snapshots", "Sampled activations and g
                   "Black box": "black box"}
 
 
-def info_lines(trace: Trace) -> Iterator[str]:
+def info_lines(trace: Trace, style: Style = PLAIN) -> Iterator[str]:
     """What ``info`` prints: the run directory, then each rank (a paragraph, after a blank line),
     then the unreadable files and the notes on files that do not fit the run."""
+    for line in _info_lines(trace):
+        yield style.wrap(line)
+
+
+def _info_lines(trace: Trace) -> Iterator[str]:
     yield f"run directory  {trace.run_dir}"
     yield f"size on disk   {human_bytes(trace.size_bytes)} in {trace.n_files} file(s)"
     for rt in trace.ranks.values():
