@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
@@ -27,6 +28,18 @@ class DataloaderBottleneckConfig:
     share: float = 0.3
     skip_steps: int = 5  # the first batches wait for worker start-up
     min_steps: int = 20
+
+
+class Evidence(FindingEvidence, total=False):
+    data_wait_share: float  # median share of a step spent waiting for the DataLoader's next batch (0-1)
+    threshold_share: float  # the share that counts (share of the config)
+    median_step_s: float  # median step time (s), over the steps timed
+    median_data_wait_s: float  # median wait for the next batch (s)
+    median_between_steps_s: float  # median time between steps, the wait included (s)
+    median_forward_s: float  # median forward time (s)
+    median_backward_s: float  # median backward and optimizer time (s)
+    median_recorder_s: float  # median time the recorder took (s)
+    steps_timed: int  # steps judged: timed, with a DataLoader, after skip_steps
 
 
 KIND = "dataloader_bottleneck"

@@ -25,7 +25,7 @@ from ..series import trailing_median
 from ..trace import RankTrace
 from ._exploding_at_init import detect_at_init
 from ._missing import no_gradients
-from ._schedule import lr_context
+from ._schedule import LrEvidence, lr_context
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,35 @@ class ExplodingGradientsConfig:
     chain_layers: int = 4
 
 
+class Evidence(LrEvidence, total=False):
+    # Growth in the run (an error when sustained, a warning for a lone jump):
+    baseline_total_grad_norm: float  # median total gradient norm of the first healthy steps
+    baseline_steps: list  # [first, last] step of that baseline
+    total_grad_norm_at_step: float  # the total gradient norm at the finding's step (its onset)
+    ratio_at_step: float  # ... over the baseline (inf: not finite)
+    peak_step: int  # the step of the highest finite total norm from the onset on
+    peak_total_grad_norm: float  # ... that norm
+    peak_ratio: float  # ... over the baseline
+    first_nonfinite_step: int  # the first step from the onset on whose total norm was NaN/Inf (None: none)
+    growth_by_parameter: dict  # {parameter: its gradient norm at the onset over its median just before} (top 3)
+    threshold_ratio: float  # the ratio to a baseline that counts: sustained_ratio or spike_ratio (in the
+    #                         run), depth_ratio (across depth)
+    # Present from the first steps, across depth (_exploding_at_init.py):
+    steps: int | list  # backward, across depth: [first, last] step judged; no gradient at all: how
+    #                    many steps the trace holds
+    early_to_late_rms_ratio: float  # largest gradient RMS of the first third of the weights over the
+    #                                 median of the last third's (median over the first depth_steps)
+    early_grad_rms: dict  # {weight: its gradient RMS}, first third of the weights
+    late_grad_rms: dict  # {weight: its gradient RMS}, last third
+    step: int  # forward, across depth: the step whose activations were judged (the first watched)
+    activation_growth: float  # how many times the chain's last layer's output RMS is its first one's
+    threshold_growth: float  # the activation_growth that counts (activation_growth of the config)
+    gain_per_layer: float  # the chain's growth per layer (geometric mean)
+    output_rms: dict  # {layer: its output RMS} along the chain
+    # No gradient was recorded (_missing.py):
+    parameters: int  # how many parameters the trace names
+
+
 KIND = "exploding_gradients"
 REQUIRES = ("params/grad_norm",)
 CONFIG = ExplodingGradientsConfig  # its thresholds: a [exploding_gradients] table of analyze --config
@@ -83,57 +112,46 @@ def detect(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
 
 def _growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
     """The run against its own healthy steps: sustained growth or a jump of the total norm."""
+    event = _measure_growth(rt, cfg)
+    if event is None:
+        return []
+    severity, i, evidence, where = event
+    step = int(rt.step_index[i])
+    lr_evidence, lr_clause = lr_context(rt, i)
+    evidence.update(lr_evidence)
+    summary = _growth_summary(evidence, severity, step, where, lr_clause)
+    return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]
+
+
+def _measure_growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> tuple[str, int, dict, list[str]] | None:
+    """(severity, onset row, evidence, fastest-growing parameters) of the first sustained growth
+    (error) or lone jump (warning) of the total norm over its healthy baseline, or None."""
     total = rt.total_grad_norm.to_numpy()
     steps = rt.step_index
-    loss = rt.steps["loss"].to_numpy()
     # A baseline from healthy steps only: a step whose loss is exactly 0 has (near) zero
     # gradients, against which any ordinary gradient would look like an explosion.
-    healthy = np.isfinite(total) & (total > 0) & (loss != 0)
+    healthy = np.isfinite(total) & (total > 0) & (rt.steps["loss"].to_numpy() != 0)
     idx = np.flatnonzero(healthy)
     n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
     if len(idx) < n_base + 1:
-        return []
+        return None
     base_idx = idx[:n_base]
     baseline = float(np.median(total[base_idx]))
     # Non-finite norms count as unbounded growth: the explosion ended in overflow.
     ratio = np.where(np.isnan(total), np.nan, total / baseline)
     ratio = np.where(np.isinf(total), np.inf, ratio)
-
-    after = np.arange(len(total)) > base_idx[-1]
-    trailing = trailing_median(ratio, cfg.window)
-    sustained = np.flatnonzero(after & (trailing >= cfg.sustained_ratio))
-    if sustained.size:
-        # The event starts at the first step of the window whose median crossed the line.
-        end = sustained[0]
-        start_candidates = np.flatnonzero(after[: end + 1] & (ratio[: end + 1] >= cfg.sustained_ratio))
-        i = int(start_candidates[0]) if start_candidates.size else int(end)
-        severity, how = "error", "grew"
-    else:
-        spikes = np.flatnonzero(after & (ratio >= cfg.spike_ratio) & np.isfinite(ratio))
-        if not spikes.size:
-            return []
-        i = int(spikes[0])
-        severity, how = "warning", "jumped"
+    found = _crossing(ratio, np.arange(len(total)) > base_idx[-1], cfg)
+    if found is None:
+        return None
+    severity, i = found
     i, pre = _run_up(total, healthy, i, base_idx[-1] + 1, cfg)
-
-    finite_after = np.flatnonzero(np.isfinite(total) & (np.arange(len(total)) >= i))
+    later = np.arange(len(total)) >= i
+    finite_after = np.flatnonzero(np.isfinite(total) & later)
     peak_i = int(finite_after[np.argmax(total[finite_after])]) if finite_after.size else i
-    first_nonfinite = np.flatnonzero(~np.isfinite(total) & (np.arange(len(total)) >= i))
-
-    # Which parameters: where the explosion began, each one's norm at the onset against its own
-    # norm over the healthy steps just before. Only the rows it needs are read.
-    rows = np.unique(np.append(pre, i))
-    g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a parameter without any gradient
-        p_base = np.nanmedian(g[np.searchsorted(rows, pre)], axis=0)
-        p_growth = g[np.searchsorted(rows, i)] / p_base
-    order = [j for j in np.argsort(-np.nan_to_num(p_growth, nan=-1.0, posinf=np.finfo(float).max))
-             if not np.isnan(p_growth[j])]
-    top = order[:3]
-    where = [rt.param_names[j] for j in top]
-
-    step = int(steps[i])
+    first_nonfinite = np.flatnonzero(~np.isfinite(total) & later)
+    growth = _parameter_growth(rt, pre, i)
+    top = [j for j in np.argsort(-np.nan_to_num(growth, nan=-1.0, posinf=np.finfo(float).max))
+           if not np.isnan(growth[j])][:3]
     evidence = {
         "baseline_total_grad_norm": baseline,
         "baseline_steps": [int(steps[base_idx[0]]), int(steps[base_idx[-1]])],
@@ -143,20 +161,44 @@ def _growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> list[Finding]:
         "peak_total_grad_norm": float(total[peak_i]),
         "peak_ratio": float(total[peak_i] / baseline),
         "first_nonfinite_step": int(steps[first_nonfinite[0]]) if first_nonfinite.size else None,
-        "growth_by_parameter": {rt.param_names[j]: float(p_growth[j]) for j in top},
+        "growth_by_parameter": {rt.param_names[j]: float(growth[j]) for j in top},
         "threshold_ratio": cfg.sustained_ratio if severity == "error" else cfg.spike_ratio,
     }
-    tail = (f", and went non-finite at step {evidence['first_nonfinite_step']}"
-            if evidence["first_nonfinite_step"] is not None else "")
-    summary = (f"Total gradient norm {how} from {baseline:.3g} (median of steps "
-               f"{evidence['baseline_steps'][0]}-{evidence['baseline_steps'][1]}) to {float(total[i]):.3g} "
-               f"at step {step} ({float(ratio[i]):.3g}x), peaking at {evidence['peak_total_grad_norm']:.3g} "
-               f"at step {evidence['peak_step']}{tail}; fastest growth in {', '.join(where) or 'all layers'}.")
-    lr_evidence, lr_clause = lr_context(rt, i)
-    evidence.update(lr_evidence)
-    if lr_clause:
-        summary = summary[:-1] + f"; it began {lr_clause}."
-    return [Finding(KIND, severity, step, where, summary, evidence, ADVICE)]
+    return severity, i, evidence, [rt.param_names[j] for j in top]
+
+
+def _crossing(ratio: np.ndarray, after: np.ndarray, cfg: ExplodingGradientsConfig) -> tuple[str, int] | None:
+    """(severity, row) where the norm over its baseline first crossed a line after the baseline."""
+    sustained = np.flatnonzero(after & (trailing_median(ratio, cfg.window) >= cfg.sustained_ratio))
+    if sustained.size:
+        # The event starts at the first step of the window whose median crossed the line.
+        end = sustained[0]
+        start_candidates = np.flatnonzero(after[: end + 1] & (ratio[: end + 1] >= cfg.sustained_ratio))
+        return "error", int(start_candidates[0]) if start_candidates.size else int(end)
+    spikes = np.flatnonzero(after & (ratio >= cfg.spike_ratio) & np.isfinite(ratio))
+    return ("warning", int(spikes[0])) if spikes.size else None
+
+
+def _parameter_growth(rt: RankTrace, pre: np.ndarray, i: int) -> np.ndarray:
+    """Per parameter, its gradient norm at the onset row i over its median over the healthy rows
+    ``pre`` just before: where the explosion began. Only the rows it needs are read."""
+    rows = np.unique(np.append(pre, i))
+    g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a parameter without any gradient
+        p_base = np.nanmedian(g[np.searchsorted(rows, pre)], axis=0)
+        return g[np.searchsorted(rows, i)] / p_base
+
+
+def _growth_summary(ev: dict, severity: str, step: int, where: list[str], lr_clause: str) -> str:
+    how = "grew" if severity == "error" else "jumped"
+    tail = (f", and went non-finite at step {ev['first_nonfinite_step']}"
+            if ev["first_nonfinite_step"] is not None else "")
+    summary = (f"Total gradient norm {how} from {ev['baseline_total_grad_norm']:.3g} (median of steps "
+               f"{ev['baseline_steps'][0]}-{ev['baseline_steps'][1]}) to {ev['total_grad_norm_at_step']:.3g} "
+               f"at step {step} ({ev['ratio_at_step']:.3g}x), peaking at {ev['peak_total_grad_norm']:.3g} "
+               f"at step {ev['peak_step']}{tail}; fastest growth in {', '.join(where) or 'all layers'}.")
+    return summary[:-1] + f"; it began {lr_clause}." if lr_clause else summary
 
 
 def _run_up(total: np.ndarray, healthy: np.ndarray, i: int, lo: int,

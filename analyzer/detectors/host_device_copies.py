@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..trace import RankTrace
 from ..trace.step_time import phases
@@ -24,6 +25,16 @@ class HostDeviceCopiesConfig:
     # copies that take a fifth of the step point at tensors moved back and forth (.cpu(),
     # .item(), .numpy(), pageable memory) — HTA's memory-bandwidth analysis flags the same.
     share: float = 0.2
+
+
+class Evidence(FindingEvidence, total=False):
+    window: int  # the profiler window that showed it (the first that did)
+    steps: list  # [first, last] step of that window
+    copy_s: float  # device time of its host<->device copies (s)
+    steps_wall_s: float  # wall time of its steps (s)
+    share: float  # copy_s over steps_wall_s (0-1)
+    threshold_share: float  # the share that counts (share of the config)
+    copies: dict  # {copy operation ("Memcpy HtoD", "Memcpy DtoH"...): its device time (s)}
 
 
 KIND = "host_device_copies"

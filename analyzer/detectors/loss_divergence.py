@@ -35,7 +35,7 @@ import numpy as np
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
-from ._schedule import lr_context
+from ._schedule import LrEvidence, lr_context
 from ._thresholds import check_bounds as _check
 
 
@@ -66,6 +66,23 @@ class LossDivergenceConfig:
     def __post_init__(self):
         _check(self, window=(2, None), rise_ratio=(1.0, None), min_progress_lost=(0.0, None),
                min_rise_in_noise=(0.0, None), error_ratio=(1.0, None))
+
+
+class Evidence(LrEvidence, total=False):
+    best_smoothed_loss: float  # the lowest smoothed loss (trailing median) up to the crossing
+    best_step: int  # ... its step
+    loss_at_step: float  # the loss at the finding's step
+    ratio_to_best: float  # ... over the best (None: best <= 0)
+    start_smoothed_loss: float  # the smoothed loss of the first full window
+    loss_noise: float  # per-step noise of the loss: 1.4826 x its median absolute deviation
+    last_finite_loss: float  # the last finite loss before a NaN/Inf (or of the run)
+    last_finite_loss_step: int  # ... its step
+    final_smoothed_loss: float  # the smoothed loss at the end of the judged stretch
+    first_nonfinite_loss_step: int  # the step the loss went NaN/+Inf (None: it did not)
+    window_steps: int  # the trailing median's window (steps)
+    threshold_rise_ratio: float  # rise over the best that counts (rise_ratio of the config)
+    threshold_progress_lost: float  # share of the progress undone that counts (min_progress_lost)
+    steps: int  # no loss was given (no_loss): how many steps the trace holds
 
 
 KIND = "loss_divergence"

@@ -16,7 +16,8 @@ autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a 
 The leak is estimated as the fitted slope (bytes per step), dated at the first step from which
 memory stays above its level at the end of the warm-up (a leak already growing then is dated
 back as far as the fitted line explains the memory), within the span the tensor census
-brackets. The tensor census, when it grows too, points at the cause.
+brackets. The tensor census, when it grows too, points at the cause (_leak_causes.py: the census,
+its fastest-growing group of tensors, the CUDA allocator snapshots' sites).
 
 A kept loss whose graph backward() already freed costs only KBs a step: memory hides it for
 thousands of steps. So when memory shows no leak, a census count of tensors holding an autograd
@@ -29,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
+from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
-from ..memory_snapshot import site_growth
 from ..trace import RankTrace
+from ._leak_causes import ADVICE_GRAPH, census_cause, growing_group, growing_site
 
 
 @dataclass(frozen=True)
@@ -62,27 +63,35 @@ class MemoryLeakConfig:
     graph_min_censuses: int = 4
 
 
+class Evidence(FindingEvidence, total=False):
+    series: str  # what grew: "cuda_allocated_bytes" or "rss_bytes" (memory), "live_tensors_with_graph" (census)
+    bytes_per_step: float  # memory: the fitted line's slope (bytes per step)
+    growth_bytes: float  # ... growth over the analysed steps (bytes)
+    from_bytes: float  # ... memory at their start (median of the first 5, bytes)
+    to_bytes: float  # ... and at their end (median of the last 5, bytes)
+    steps_analysed: list  # ... [first, last] step after the warm-up
+    r2: float  # R^2 of the straight line through memory, or through the census's graph count
+    tail_slope_share: float  # memory: the last third's slope over the whole span's
+    census_steps: int | list  # memory: how many censuses ran; census count: [first, last] census step
+    live_tensors: list  # memory: live tensors at the first and the last census
+    live_tensors_per_step: float  # ... their fitted growth per step
+    live_tensors_with_graph_per_step: float  # ... of those holding an autograd graph, per step
+    live_tensor_bytes_per_step: float  # ... of their bytes (bytes per step)
+    growing_sites: list  # CUDA: allocation sites that grew most between two allocator snapshots
+    #                      ({site, bytes_before, bytes_after, blocks_before, blocks_after, stack, steps})
+    growing_group: dict  # the census group that grew fastest ({device, dtype, shape, graph, grad_fn,
+    #                      growing_since_step, grown_by_step, tensors_per_step, bytes_per_step,
+    #                      census_steps, modules})
+    tensors_with_graph_per_step: float  # census count: tensors holding a graph, fitted growth per step
+    tensors_with_graph: list  # ... their count at the first and the last census
+    censuses: int  # ... how many censuses counted them
+    rss_bytes_per_step: float  # ... resident memory's fitted growth meanwhile (bytes per step; NaN: unmeasured)
+
+
 KIND = "memory_leak"
 REQUIRES = ("steps/rss_bytes",)
 CONFIG = MemoryLeakConfig  # its thresholds: a [memory_leak] table of analyze --config
 ORDER = 60  # among findings of one step and stage, the detectors run (and list) in this order
-
-_ADVICE_GRAPH = (
-    "A tensor that holds an autograd graph is kept from step to step — typically "
-    "`losses.append(loss)` or `total += loss`: keep `loss.item()` (or `loss.detach()`) instead, "
-    "so each step's graph and its saved activations can be freed."
-)
-_ADVICE_TENSORS = (
-    "Tensors accumulate across steps: look for lists, dicts or caches that grow each step (hooks "
-    "that store outputs, metrics kept as tensors, torch.cat into a buffer) and keep only what you "
-    "need, detached and on the CPU."
-)
-_ADVICE_OTHER = (
-    "Memory grows outside the tensors visible to Python: autograd graphs kept alive by a "
-    "reference (retain_graph=True, a stored loss), Python objects accumulated per step (lists of "
-    "metrics, logging buffers), or a data loader that caches samples. Compare memory snapshots "
-    "a few hundred steps apart (tracemalloc, torch.cuda.memory._snapshot())."
-)
 
 
 def detect(rt: RankTrace, cfg: MemoryLeakConfig) -> list[Finding]:
@@ -117,13 +126,37 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
     straight line by `graph_min_per_step` or more, `graph_min_growth` tensors in all over
     `graph_min_censuses` censuses, is a leak (healthy runs hold a constant few: the current loss).
     """
+    evidence = _graph_count_growth(rt, steps, rss, cfg)
+    if evidence is None:
+        return None
+    group = growing_group(rt)
+    where: list[str] = []
+    begin = evidence["census_steps"][0]
+    if group is not None and group["graph"]:
+        cause, where = group["cause"], group["modules"]
+        evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
+        begin = group["growing_since_step"]  # the last census before the kept group grew
+    else:
+        cause = "A tensor with its graph is kept across iterations."
+    (n0, n1), (s0, s1) = evidence["tensors_with_graph"], evidence["census_steps"]
+    rss_slope = evidence["rss_bytes_per_step"]
+    grows = (f"resident memory grows only {rss_slope / 1024:.1f} KiB per step so far"
+             if np.isfinite(rss_slope) else "memory was not measured")
+    summary = (f"Memory leak: tensors holding an autograd graph pile up by "
+               f"{evidence['tensors_with_graph_per_step']:.1f} per step ({n0} at step {s0}, {n1} at step {s1}, "
+               f"census R^2 {evidence['r2']:.2f}); "
+               f"{grows}, but each kept graph stays until the job ends. {cause}")
+    return Finding(KIND, "warning", begin, where, summary, evidence, ADVICE_GRAPH)
+
+
+def _graph_count_growth(rt, steps, rss, cfg) -> dict | None:
+    """The evidence of a census count of tensors holding a graph that grows along a straight line."""
     g = rt.steps["live_tensors_with_graph"].to_numpy(dtype=float)
     sel = g >= 0
     if sel.sum() < cfg.graph_min_censuses:
         return None
     xs, ys = steps[sel].astype(float), g[sel]
-    growth = float(ys[-1] - ys[0])
-    if growth < cfg.graph_min_growth:
+    if float(ys[-1] - ys[0]) < cfg.graph_min_growth:
         return None
     slope, intercept = np.polyfit(xs, ys, 1)
     fit = slope * xs + intercept
@@ -133,7 +166,7 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
         return None
     ok = np.isfinite(rss) & (rss >= 0)
     rss_slope = float(np.polyfit(steps[ok].astype(float), rss[ok], 1)[0]) if ok.sum() >= 2 else float("nan")
-    evidence = {
+    return {
         "series": "live_tensors_with_graph",
         "tensors_with_graph_per_step": float(slope),
         "tensors_with_graph": [int(ys[0]), int(ys[-1])],
@@ -142,24 +175,29 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
         "r2": float(r2),
         "rss_bytes_per_step": rss_slope,
     }
-    group = _growing_group(rt)
-    where: list[str] = []
-    begin = int(xs[0])
-    if group is not None and group["graph"]:
-        cause, where = group["cause"], group["modules"]
-        evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
-        begin = group["growing_since_step"]  # the last census before the kept group grew
-    else:
-        cause = "A tensor with its graph is kept across iterations."
-    grows = (f"resident memory grows only {rss_slope / 1024:.1f} KiB per step so far"
-             if np.isfinite(rss_slope) else "memory was not measured")
-    summary = (f"Memory leak: tensors holding an autograd graph pile up by {slope:.1f} per step "
-               f"({int(ys[0])} at step {int(xs[0])}, {int(ys[-1])} at step {int(xs[-1])}, census R^2 {r2:.2f}); "
-               f"{grows}, but each kept graph stays until the job ends. {cause}")
-    return Finding(KIND, "warning", begin, where, summary, evidence, _ADVICE_GRAPH)
 
 
-def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
+@dataclass(frozen=True)
+class _Growth:
+    """A memory series after the warm-up that grows steadily, and the straight line through it."""
+
+    start: int  # the first row after the warm-up
+    x: np.ndarray  # the steps after it where memory was measured
+    base: float  # memory at the start of that span: median of its first 5 steps (bytes)
+    end: float  # ... at its end: median of its last 5 (bytes)
+    slope: float  # the fitted line (bytes per step)
+    intercept: float
+    resid: np.ndarray  # memory less the line, per step of x (bytes)
+    r2: float  # how much of the variance the line explains
+    tail_slope: float  # the slope of the last third of the span (bytes per step)
+
+    @property
+    def growth(self) -> float:
+        return self.end - self.base
+
+
+def _steady_growth(steps, y, cfg) -> _Growth | None:
+    """The growth of y after the warm-up, if it is large, not one jump, straight and not levelling off."""
     start = max(int(len(y) * cfg.warmup_frac), 5)
     x, v = steps[start:].astype(float), y[start:]
     ok = np.isfinite(v) & (v >= 0)
@@ -170,34 +208,41 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
     growth = end - base
     if growth < max(cfg.min_growth_bytes, cfg.min_growth_share * base):
         return None
-    jumps = np.diff(v)
-    if jumps.max() >= cfg.jump_share * growth:
-        return None
+    if np.diff(v).max() >= cfg.jump_share * growth:
+        return None  # one allocation, not a leak
     slope, intercept = np.polyfit(x, v, 1)
     fit = slope * x + intercept
     ss_res, ss_tot = float(((v - fit) ** 2).sum()), float(((v - v.mean()) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    # A last third growing slower than the whole is a cache filling up: a plateau ahead.
     tail = len(v) * 2 // 3
     tail_slope = np.polyfit(x[tail:], v[tail:], 1)[0] if len(v) - tail >= 3 else 0.0
     if r2 < cfg.min_r2 or tail_slope < cfg.min_tail_slope_share * slope or slope <= 0:
         return None
-    begin = _rise(steps, y, start, growth, slope)
+    return _Growth(start, x, base, end, slope, intercept, v - fit, r2, tail_slope)
+
+
+def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
+    m = _steady_growth(steps, y, cfg)
+    if m is None:
+        return None
+    begin = _rise(steps, y, m.start, m.growth, m.slope)
     rose = begin is not None  # memory shows a flat stretch, then the rise
     if not rose:  # growing from the end of the warm-up on: it may have begun before
-        begin = _onset(steps.astype(float), y, start, slope, intercept, v - fit, growth)
+        begin = _onset(steps.astype(float), y, m.start, m.slope, m.intercept, m.resid, m.growth)
     evidence = {
         "series": column,
-        "bytes_per_step": float(slope),
-        "growth_bytes": float(growth),
-        "from_bytes": base,
-        "to_bytes": end,
-        "steps_analysed": [int(x[0]), int(x[-1])],
-        "r2": float(r2),
-        "tail_slope_share": float(tail_slope / slope),
+        "bytes_per_step": float(m.slope),
+        "growth_bytes": float(m.growth),
+        "from_bytes": m.base,
+        "to_bytes": m.end,
+        "steps_analysed": [int(m.x[0]), int(m.x[-1])],
+        "r2": float(m.r2),
+        "tail_slope_share": float(m.tail_slope / m.slope),
     }
-    cause, advice = _census(rt, steps, evidence)
+    cause, advice = census_cause(rt, steps, evidence)
     where: list[str] = []
-    group = _growing_group(rt)
+    group = growing_group(rt)
     if group is not None:
         cause, advice, where = group["cause"], group["advice"], group["modules"]
         # The census brackets the start: after the last census at the group's smallest count,
@@ -207,12 +252,12 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
         begin = int(min(max(begin, lo), hi)) if rose else min(begin, lo)
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
     if column == "cuda_allocated_bytes":
-        cause += _growing_site(rt, int(x[0]), evidence)
-    mb = slope / 2**20
-    per = f"{mb:.2f} MiB" if abs(mb) >= 0.01 else f"{slope / 1024:.1f} KiB"
+        cause += growing_site(rt, int(m.x[0]), evidence)
+    mb = m.slope / 2**20
+    per = f"{mb:.2f} MiB" if abs(mb) >= 0.01 else f"{m.slope / 1024:.1f} KiB"
     summary = (f"Memory leak: the {label} grows steadily by {per} per step, "
-               f"{base / 2**20:.0f} -> {end / 2**20:.0f} MiB over steps {int(x[0])}-{int(x[-1])} "
-               f"(straight-line fit R^2 {r2:.2f}), since about step {begin}. {cause}")
+               f"{m.base / 2**20:.0f} -> {m.end / 2**20:.0f} MiB over steps {int(m.x[0])}-{int(m.x[-1])} "
+               f"(straight-line fit R^2 {m.r2:.2f}), since about step {begin}. {cause}")
     return Finding(KIND, "warning", begin, where, summary.strip(), evidence, advice)
 
 
@@ -244,123 +289,3 @@ def _onset(x_all, y_all, start, slope, intercept, resid, growth) -> int:
             break
         begin = t
     return int(x_all[begin])
-
-
-def _growing_group(rt) -> dict | None:
-    """The census group (device, dtype, shape, graph, the graph's last op) that grew most between
-    the first and the last census, if it gained at least one tensor every two steps; with the
-    modules whose output has that shape and dtype, and was made by that op when both are known
-    (the likely makers of the kept tensors)."""
-    g = rt.census_groups
-    if g.empty or g["step"].nunique() < 2:
-        return None
-    first, last = int(g["step"].min()), int(g["step"].max())
-    key = ["device", "dtype", "shape", "graph", "grad_fn"]
-    a = g[g["step"] == first].set_index(key)[["count", "bytes"]]
-    b = g[g["step"] == last].set_index(key)[["count", "bytes"]]
-    grow = b.sub(a, fill_value=0).fillna(0)
-    grow = grow[grow["count"] > 0]
-    if grow.empty:
-        return None
-    per_step = grow / max(last - first, 1)
-    # Of the groups that gained a tensor every two steps or more, the one that grew most in
-    # bytes (a group that merely entered the census's top lists gains a few, once).
-    per_step = per_step[per_step["count"] >= 0.5]
-    if per_step.empty:
-        return None
-    top = per_step.sort_values(["bytes", "count"], ascending=False)
-    # Kept losses (scalars holding their graph) keep everything their graphs saved, which grows
-    # as well and weighs more: they are the cause, the rest what they hold.
-    losses = [k for k in top.index if k[2] == "[]" and k[3]]
-    if losses:
-        top = top.loc[losses]
-    (device, dtype, shape, graph, grad_fn), row = top.index[0], top.iloc[0]
-    holding = " holding an autograd graph" if graph else ""
-    what = "scalar" if shape == "[]" else f"{shape}"
-    makers = rt.module_outputs
-    makers = makers[(makers["shape"] == shape) & (makers["dtype"] == dtype)]
-    if grad_fn and (makers["grad_fn"] == grad_fn).any():
-        makers = makers[makers["grad_fn"] == grad_fn]
-    # A module that returns its submodule's output as its own is not another maker: keep the
-    # innermost (a parent is a prefix of its submodules' names).
-    names = list(dict.fromkeys(makers["module"]))
-    names = [m for m in names if not any(o != m and o.startswith(m + "." if m else "") for o in names)]
-    modules = names if 0 < len(names) <= 3 else []
-    made = f" made by {grad_fn}" if grad_fn else ""
-    cause = (f"The tensor census grows by {row['count']:.1f} {what} {dtype} tensor(s){made} on {device}{holding} per "
-             f"step ({int(a['count'].get((device, dtype, shape, graph, grad_fn), 0))} at step {first}, "
-             f"{int(b['count'].loc[(device, dtype, shape, graph, grad_fn)])} at step {last})")
-    if graph and shape == "[]":
-        cause += ": a loss tensor kept across iterations."
-        advice = _ADVICE_GRAPH
-    elif graph:
-        cause += ": tensors kept with their autograd graph."
-        advice = _ADVICE_GRAPH
-    else:
-        cause += "."
-        advice = _ADVICE_TENSORS
-    if modules:
-        cause += f" That is the shape of the output of {', '.join(modules)}: something keeps it (a hook, a cache)."
-    # The census dates the start better than memory does (allocators grow in bursts): the
-    # last census at which the group was at its smallest.
-    mine = g[(g[key] == pd.Series(top.index[0], index=key)).all(axis=1)]
-    counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
-    k = int(np.flatnonzero(counts.to_numpy() == counts.min())[-1])
-    since, by = int(counts.index[k]), int(counts.index[min(k + 1, len(counts) - 1)])
-    return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph), "grad_fn": grad_fn,
-            "growing_since_step": since, "grown_by_step": by,
-            "tensors_per_step": float(row["count"]), "bytes_per_step": float(row["bytes"]),
-            "census_steps": [first, last], "modules": modules, "cause": cause, "advice": advice}
-
-
-def _census(rt, steps, evidence) -> tuple[str, str]:
-    """What the live-tensor census says about the cause, and the matching advice."""
-    df = rt.steps
-    n = df["live_tensors"].to_numpy(dtype=float)
-    g = df["live_tensors_with_graph"].to_numpy(dtype=float)
-    b = df["live_tensor_bytes"].to_numpy(dtype=float)
-    # Every census counts (also in the warm-up): the census is sparse, and what a leak adds per
-    # step shows from the first step on.
-    sel = n >= 0
-    if sel.sum() < 2:
-        return ("No tensor census covers the growth (it runs every census_every steps).", _ADVICE_OTHER)
-    xs = steps[sel].astype(float)
-    # (a least-squares slope of a constant series is ~1e-18, not 0: round that noise away)
-    n_slope, g_slope, b_slope = (round(float(np.polyfit(xs, a[sel], 1)[0]), 6) for a in (n, g, b))
-    evidence.update({
-        "census_steps": int(sel.sum()),
-        "live_tensors": [int(n[sel][0]), int(n[sel][-1])],
-        "live_tensors_per_step": n_slope,
-        "live_tensors_with_graph_per_step": g_slope,
-        "live_tensor_bytes_per_step": b_slope,
-    })
-    if g_slope >= 0.5:
-        return (f"Live tensors holding an autograd graph grow by {g_slope:.1f} per step "
-                f"({int(g[sel][0])} -> {int(g[sel][-1])}): a tensor with its graph is kept across "
-                f"iterations.", _ADVICE_GRAPH)
-    if n_slope >= 0.5 or b_slope >= 0.5 * evidence["bytes_per_step"]:
-        return (f"Live tensors grow by {n_slope:.1f} per step ({b_slope / 1024:.1f} KiB per step): "
-                f"tensors accumulate across iterations.", _ADVICE_TENSORS)
-    return ("The live tensors visible to Python do not grow.", _ADVICE_OTHER)
-
-
-def _growing_site(rt, start: int, evidence: dict) -> str:
-    """On CUDA, the allocation site whose live memory grew most between the first and the last
-    allocator snapshot of the analysed steps (snapshots taken when memory ran out left out)."""
-    snaps = rt.memory_snapshots
-    if not len(snaps):
-        return ""
-    snaps = snaps[~snaps["reason"].isin(["oom", "exception"])]
-    later = snaps[snaps["step"] >= start]
-    snaps = later if len(later) >= 2 else snaps
-    if len(snaps) < 2:
-        return ""
-    a, b = snaps.iloc[0], snaps.iloc[-1]
-    grew = site_growth(rt, int(a["snapshot"]), int(b["snapshot"]))
-    if not grew:
-        return ""
-    evidence["growing_sites"] = [{**g, "steps": [int(a["step"]), int(b["step"])]} for g in grew]
-    g = grew[0]
-    return (f" In the CUDA allocator's snapshots, the allocation site whose live memory grew most is "
-            f"{g['site']}: {g['bytes_before'] / 2**20:,.1f} -> {g['bytes_after'] / 2**20:,.1f} MiB "
-            f"({g['blocks_before']} -> {g['blocks_after']} blocks) from step {int(a['step'])} to step {int(b['step'])}.")

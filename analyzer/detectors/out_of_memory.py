@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..memory_snapshot import history_peak, is_library, live_sites, oom_request
 from ..trace import RankTrace
@@ -26,6 +27,26 @@ class OutOfMemoryConfig:
     # line that raised the error (enough to name the layer, short enough for a ticket).
     max_listed: int = 5
     max_frames: int = 4
+
+
+class Evidence(FindingEvidence, total=False):
+    device: str  # the device that ran out: "cuda:0", "cpu"
+    requested_bytes: int  # the allocation that failed (bytes; -1: unknown)
+    device_allocated_bytes: int  # allocated by tensors on the device when it failed (bytes; -1: unknown)
+    device_reserved_bytes: int  # reserved by PyTorch's caching allocator then (bytes; -1: unknown)
+    device_free_bytes: int  # free on the device then, as CUDA reports it (bytes; -1: unknown)
+    device_total_bytes: int  # the device's memory (bytes; -1: unknown)
+    rss_bytes: int  # the process's resident memory then (bytes; -1: unknown)
+    events: int  # out-of-memory events in the whole run
+    sources: list  # what saw the first one: "observer" (the CUDA allocator's), "exception" (an error raised)
+    message: str  # the error's message (its first 500 characters)
+    raised_at: list  # the innermost max_frames "file:line in fn" frames the error was raised at
+    snapshot: int  # the allocator snapshot taken at the failure (its id in memory_snapshots)
+    largest_sites: list  # its live memory by allocating line, largest first: {site, bytes, blocks, stack}
+    failed_request: dict  # the request that failed, from the snapshot: {bytes, device_free, site, stack}
+    history_peak_bytes: int  # the highest allocated memory the snapshot's history shows (bytes)
+    largest_tensor_groups: list  # the census at the error, largest first: {device, dtype, shape, graph,
+    #                              count, bytes}
 
 
 KIND = "out_of_memory"
@@ -73,17 +94,33 @@ def detect(rt: RankTrace, cfg: OutOfMemoryConfig) -> list[Finding]:
     events = rt.oom_events
     if not len(events):
         return []
+    oom = _measure(rt, cfg, events)
+    return [Finding(KIND, "error", oom.step, [], _summary(oom), oom.evidence,
+                    (_ADVICE if oom.cuda else _ADVICE_CPU) + (_ADVICE_FRAGMENTED if oom.fragmented else ""))]
+
+
+@dataclass(frozen=True)
+class _Oom:
+    """The first time memory ran out, as the trace tells it."""
+
+    step: int
+    cuda: bool
+    fragmented: bool  # enough memory was reserved but not allocated to serve the request
+    times: int  # events in the whole run; more than at `step` when the job caught the error
+    times_at_step: int
+    evidence: dict
+
+
+def _measure(rt: RankTrace, cfg: OutOfMemoryConfig, events) -> _Oom:
     first_step = int(events["step"].iloc[0])
     same = events[events["step"] == first_step]
-    obs = same[same["source"] == "observer"]
     exc = same[same["source"] == "exception"]
-    e = (obs if len(obs) else same).iloc[0]
-    device = str(e["device"])
-    cuda = device.startswith("cuda")
+    obs = same[same["source"] == "observer"]
+    e = (obs if len(obs) else same).iloc[0]  # the allocator's observer saw most, when it ran
     requested = int(e["requested_bytes"]) if int(e["requested_bytes"]) >= 0 else (
         int(exc["requested_bytes"].iloc[0]) if len(exc) else -1)
     evidence: dict = {
-        "device": device, "requested_bytes": requested,
+        "device": str(e["device"]), "requested_bytes": requested,
         "device_allocated_bytes": int(e["device_allocated_bytes"]),
         "device_reserved_bytes": int(e["device_reserved_bytes"]),
         "device_free_bytes": int(e["device_free_bytes"]), "device_total_bytes": int(e["device_total_bytes"]),
@@ -97,55 +134,75 @@ def detect(rt: RankTrace, cfg: OutOfMemoryConfig) -> list[Finding]:
             evidence["raised_at"] = raised[-cfg.max_frames:]
     snaps = [int(s) for s in same["snapshot"] if int(s) >= 0]
     snaps = [s for s in snaps if s in set(int(x) for x in rt.memory_snapshots["snapshot"])]
-    holders = ""
-    asked = ""
-    advice = _ADVICE if cuda else _ADVICE_CPU
+    fragmented = False
     if snaps:
-        snap = snaps[0]
-        evidence["snapshot"] = snap
-        sites = live_sites(rt, snap, top=cfg.max_listed)
-        evidence["largest_sites"] = [{"site": g["site"], "bytes": g["bytes"], "blocks": g["blocks"],
-                                      "stack": g["stack"]} for g in sites]
-        if sites:
-            holders = " Largest holders: " + "; ".join(f"{g['site']} ({_mib(g['bytes'])})" for g in sites[:3]) + "."
-        req = oom_request(rt, snap)
-        if req is not None:
-            evidence["failed_request"] = req
-            requested = requested if requested >= 0 else req["bytes"]
-            asked = f" The request came from {req['site']}."
-        peak = history_peak(rt, snap, top=cfg.max_listed)
-        if peak is not None:
-            evidence["history_peak_bytes"] = peak["bytes"]
-        srow = rt.memory_snapshots[rt.memory_snapshots["snapshot"] == snap].iloc[0]
-        reserved, allocated = evidence["device_reserved_bytes"], evidence["device_allocated_bytes"]
-        if reserved < 0 or allocated < 0:
-            reserved, allocated = int(srow["reserved_bytes"]), int(srow["allocated_bytes"])
-        if requested > 0 and reserved - allocated >= requested:
-            advice += _ADVICE_FRAGMENTED
+        requested, fragmented = _from_snapshot(rt, cfg, snaps[0], requested, evidence)
     groups = rt.oom_tensor_groups
     if len(groups) and len(exc):
-        index = int(exc.index[0])
-        mine = groups[groups["event"] == index].sort_values("bytes", ascending=False).head(cfg.max_listed)
+        mine = groups[groups["event"] == int(exc.index[0])]
+        mine = mine.sort_values("bytes", ascending=False).head(cfg.max_listed)
         evidence["largest_tensor_groups"] = [
             {"device": r.device, "dtype": r.dtype, "shape": r.shape, "graph": bool(r.graph),
              "count": int(r.count), "bytes": int(r.bytes)} for r in mine.itertuples()]
-        if not holders and len(mine):
-            holders = " Largest tensor groups: " + "; ".join(
-                f"{int(r.count)} x {r.shape} {r.dtype} on {r.device} ({_mib(r.bytes)})"
-                for r in mine.head(3).itertuples()) + "."
-    if not asked and evidence.get("raised_at"):
-        asked = f" It failed at {_own_code(evidence['raised_at'])}."
-    evidence["requested_bytes"] = requested
-    if cuda:
-        state = (f"a request for {_mib(requested)} failed with {_mib(evidence['device_allocated_bytes'])} "
-                 f"allocated by tensors, {_mib(evidence['device_reserved_bytes'])} reserved by PyTorch's "
-                 f"allocator and {_mib(evidence['device_free_bytes'])} free on the device")
-        if evidence["device_total_bytes"] > 0:
-            state += f" (of {_mib(evidence['device_total_bytes'])})"
+    evidence["requested_bytes"] = requested  # the snapshot's request when the event had no size
+    return _Oom(first_step, evidence["device"].startswith("cuda"), fragmented, len(events), len(same), evidence)
+
+
+def _from_snapshot(rt: RankTrace, cfg: OutOfMemoryConfig, snap: int, requested: int,
+                   evidence: dict) -> tuple[int, bool]:
+    """Add what the allocator snapshot taken at the failure says to ``evidence``; return the
+    request's size (the snapshot's, if the event had none) and whether the cache was fragmented."""
+    evidence["snapshot"] = snap
+    evidence["largest_sites"] = [{"site": g["site"], "bytes": g["bytes"], "blocks": g["blocks"],
+                                  "stack": g["stack"]} for g in live_sites(rt, snap, top=cfg.max_listed)]
+    req = oom_request(rt, snap)
+    if req is not None:
+        evidence["failed_request"] = req
+        requested = requested if requested >= 0 else req["bytes"]
+    peak = history_peak(rt, snap, top=cfg.max_listed)
+    if peak is not None:
+        evidence["history_peak_bytes"] = peak["bytes"]
+    reserved, allocated = evidence["device_reserved_bytes"], evidence["device_allocated_bytes"]
+    if reserved < 0 or allocated < 0:  # the event did not say: the snapshot's totals
+        srow = rt.memory_snapshots[rt.memory_snapshots["snapshot"] == snap].iloc[0]
+        reserved, allocated = int(srow["reserved_bytes"]), int(srow["allocated_bytes"])
+    return requested, requested > 0 and reserved - allocated >= requested
+
+
+def _summary(oom: _Oom) -> str:
+    ev = oom.evidence
+    requested = ev["requested_bytes"]
+    if oom.cuda:
+        state = (f"a request for {_mib(requested)} failed with {_mib(ev['device_allocated_bytes'])} "
+                 f"allocated by tensors, {_mib(ev['device_reserved_bytes'])} reserved by PyTorch's "
+                 f"allocator and {_mib(ev['device_free_bytes'])} free on the device")
+        if ev["device_total_bytes"] > 0:
+            state += f" (of {_mib(ev['device_total_bytes'])})"
     else:
         state = (f"a request for {_mib(requested)} failed with the process holding "
-                 f"{_mib(evidence['rss_bytes'])} resident")
-    summary = f"Out of memory at step {first_step} on {device}: {state}.{holders}{asked}"
-    if len(events) > len(same):
-        summary += f" Memory ran out {len(events)} times in all (the job caught the error and went on)."
-    return [Finding(KIND, "error", first_step, [], summary, evidence, advice)]
+                 f"{_mib(ev['rss_bytes'])} resident")
+    summary = f"Out of memory at step {oom.step} on {ev['device']}: {state}.{_holders(ev)}{_asked(ev)}"
+    if oom.times > oom.times_at_step:
+        summary += f" Memory ran out {oom.times} times in all (the job caught the error and went on)."
+    return summary
+
+
+def _holders(ev: dict) -> str:
+    """What held the memory: the snapshot's allocation sites, else the census's tensor groups."""
+    if ev.get("largest_sites"):
+        return " Largest holders: " + "; ".join(f"{g['site']} ({_mib(g['bytes'])})"
+                                                for g in ev["largest_sites"][:3]) + "."
+    if ev.get("largest_tensor_groups"):
+        return " Largest tensor groups: " + "; ".join(
+            f"{g['count']} x {g['shape']} {g['dtype']} on {g['device']} ({_mib(g['bytes'])})"
+            for g in ev["largest_tensor_groups"][:3]) + "."
+    return ""
+
+
+def _asked(ev: dict) -> str:
+    """What asked for more: the snapshot's failed request, else the job's line that raised."""
+    if "failed_request" in ev:
+        return f" The request came from {ev['failed_request']['site']}."
+    if ev.get("raised_at"):
+        return f" It failed at {_own_code(ev['raised_at'])}."
+    return ""

@@ -33,7 +33,7 @@ import numpy as np
 from ..findings import Finding
 from ..series import sample_rows, trailing_median
 from ..trace import RankTrace
-from ._schedule import lr_context
+from ._schedule import LrEvidence, lr_context
 from ._thresholds import check_bounds as _check
 
 
@@ -70,6 +70,19 @@ class UpdateRatioConfig:
             raise ValueError(f"too_small ({self.too_small!r}) must be below too_large ({self.too_large!r})")
 
 
+class Evidence(LrEvidence, total=False):
+    direction: str  # "too_large" or "too_small"
+    threshold: float  # the update/weight ratio beyond which a weight's median counts (too_large or too_small)
+    weights_judged: int  # weight tensors with enough samples to judge
+    skipped_zero_initialised: list  # weights skipped as zero-initialised (RMS under min_weight_rms; first 20)
+    min_ndim: int  # only parameters of this many dimensions or more were judged
+    usual_ratio: float  # the usual update/weight ratio, 1e-3 (Karpathy)
+    median_ratio_by_parameter: dict  # {weight: its median update/weight ratio over its window}, worst first (20)
+    onset_step_by_parameter: dict  # {weight: the step its ratio went out of range}
+    median_grad_norm_by_parameter: dict  # {weight: its median gradient L2 norm over that window (None: none)}
+    window_steps: list  # [first, last] sampled step of the worst weight's judged window
+
+
 KIND = "update_ratio"
 REQUIRES = ("updates/ratio", "params/param_norm", "params/grad_norm")
 CONFIG = UpdateRatioConfig  # its thresholds: a [update_ratio] table of analyze --config
@@ -99,9 +112,30 @@ ADVICE_SMALL = (
 def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     if rt.n_steps == 0 or not rt.param_names:
         return []
+    sampled = _sampled_updates(rt, cfg)
+    if sampled is None:
+        return []
+    ratio, rows, sample_steps = sampled
+    j = _judge_weights(rt, cfg, ratio, _weight_rms_before(rt, ratio, rows),
+                       rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64), sample_steps)
+    findings = []
+    context = {"weights_judged": j.judged, "skipped_zero_initialised": j.zero_init[:20],
+               "min_ndim": cfg.min_ndim, "usual_ratio": 1e-3}
+    if j.large:
+        findings.append(_finding(rt, j.large, "too_large", cfg.too_large, context,
+                                 "Updates are too large", ADVICE_LARGE, reverse=True))
+    if j.small:
+        findings.append(_finding(rt, j.small, "too_small", cfg.too_small, context,
+                                 "Weights barely move", ADVICE_SMALL, reverse=False))
+    return findings
+
+
+def _sampled_updates(rt: RankTrace, cfg: UpdateRatioConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(samples x parameters ratios, their step rows, their steps) of the samples that ran an
+    optimizer step, or None when fewer than min_samples did."""
     n = rt.n_samples("updates")
     if n < cfg.min_samples:
-        return []
+        return None
     # A long run has more samples than a median needs: every k-th (the last kept) bounds memory.
     stride = -(-n // sample_rows(len(rt.param_names), MAX_SAMPLES))
     upd = rt.update_ratio(rows=slice((n - 1) % stride, n, stride))
@@ -110,11 +144,13 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     keep = rt.step_index[rows] == upd.index.to_numpy()
     # A step that ran no optimizer step (a GradScaler skip) moved nothing: not a sample of updates.
     keep &= rt.steps["optimizer_steps"].to_numpy()[rows] != 0
-    ratio = upd.to_numpy(dtype=np.float64)[keep]
-    rows = rows[keep]
-    sample_steps = upd.index.to_numpy()[keep]
-    if len(rows) < cfg.min_samples:
-        return []
+    if keep.sum() < cfg.min_samples:
+        return None
+    return upd.to_numpy(dtype=np.float64)[keep], rows[keep], upd.index.to_numpy()[keep]
+
+
+def _weight_rms_before(rt: RankTrace, ratio: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per sample and parameter, the weight's RMS before the update (the ratio's denominator)."""
     numel = rt.param_numel.astype(np.float64)
     # The weight norms of the sampled steps and of the steps before them: those rows only.
     prev = np.maximum(rows - 1, 0)
@@ -125,11 +161,19 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     with np.errstate(invalid="ignore", divide="ignore"):
         at_start = w_norm[np.searchsorted(w_rows, rows)] / (1.0 + ratio)
     before = np.where((rows > 0)[:, None], w_norm[np.searchsorted(w_rows, prev)], at_start)
-    del w_norm, at_start
-    w_rms = before / np.sqrt(np.maximum(numel, 1.0))
-    del before
-    g = rt.param_stat("grad_norm", rows=rows).to_numpy(dtype=np.float64)
+    return before / np.sqrt(np.maximum(numel, 1.0))
 
+
+@dataclass(frozen=True)
+class _Judged:
+    large: dict  # {parameter column: _judgement} of the weights updated too much
+    small: dict  # ... too little
+    judged: int  # weights with enough samples to judge
+    zero_init: list  # names of the weights skipped as zero-initialised
+
+
+def _judge_weights(rt: RankTrace, cfg: UpdateRatioConfig, ratio: np.ndarray, w_rms: np.ndarray,
+                   g: np.ndarray, sample_steps: np.ndarray) -> _Judged:
     large, small, judged, zero_init = {}, {}, 0, []
     for j, shape in enumerate(rt.param_shapes):
         if len(shape) < cfg.min_ndim:
@@ -138,32 +182,21 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
         first = np.flatnonzero(~np.isnan(r))
         if not first.size:
             continue
-        f0 = int(first[0])
-        if w_rms[f0, j] < cfg.min_weight_rms:
+        if w_rms[int(first[0]), j] < cfg.min_weight_rms:
             zero_init.append(rt.param_names[j])
             continue
         ok = np.flatnonzero(np.isfinite(r) & (w_rms[:, j] >= cfg.min_weight_rms))
         if len(ok) < cfg.min_samples:
             continue
         judged += 1
-        n_win = max(cfg.min_samples, int(np.ceil(len(ok) * cfg.window_frac)))
-        win = ok[-n_win:]
+        # Judged over the last window_frac of its samples: early updates are larger.
+        win = ok[-max(cfg.min_samples, int(np.ceil(len(ok) * cfg.window_frac))):]
         med = float(np.median(r[win]))
         if med > cfg.too_large:
             large[j] = _judgement(r, ok, win, med, sample_steps, g[:, j], cfg, above=True)
         elif med < cfg.too_small and (_nanmedian(g[win, j]) or 0.0) > 0:
             small[j] = _judgement(r, ok, win, med, sample_steps, g[:, j], cfg, above=False)
-
-    findings = []
-    context = {"weights_judged": judged, "skipped_zero_initialised": zero_init[:20],
-               "min_ndim": cfg.min_ndim, "usual_ratio": 1e-3}
-    if large:
-        findings.append(_finding(rt, large, "too_large", cfg.too_large, context,
-                                 "Updates are too large", ADVICE_LARGE, reverse=True))
-    if small:
-        findings.append(_finding(rt, small, "too_small", cfg.too_small, context,
-                                 "Weights barely move", ADVICE_SMALL, reverse=False))
-    return findings
+    return _Judged(large, small, judged, zero_init)
 
 
 def _judgement(r, ok, win, med, sample_steps, g, cfg, above: bool) -> dict:

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 
+from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
@@ -39,6 +40,19 @@ class VanishingGradientsConfig:
     onset_window: int = 5
 
 
+class Evidence(FindingEvidence, total=False):
+    window_steps: list  # [first, last] step of the judged window (the last window_frac of the run)
+    early_to_late_rms_ratio: float  # smallest median gradient RMS of the first third of the weights
+    #                                 over the median of the last third's, over that window
+    threshold_ratio: float  # the ratio under which early layers count as vanishing (ratio of the config)
+    early_grad_rms: dict  # {weight: its median gradient RMS over the window}, first third
+    late_grad_rms: dict  # {weight: ...}, last third
+    max_grad_rms: float  # every gradient zero: the largest median gradient RMS of any weight
+    weights_checked: int  # ... over this many weight tensors
+    steps: int  # no gradient was recorded (_missing.py): how many steps the trace holds
+    parameters: int  # ... and how many parameters it names
+
+
 KIND = "vanishing_gradients"
 REQUIRES = ("params/grad_norm",)
 CONFIG = VanishingGradientsConfig  # its thresholds: a [vanishing_gradients] table of analyze --config
@@ -59,28 +73,15 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     weights = weight_tensors(rt)
     if len(weights) < 3:
         return []
-    numel = rt.param_numel[weights].astype(np.float64)
     third = max(1, len(weights) // 3)
     early, late = slice(0, third), slice(len(weights) - third, len(weights))
-
-    # One pass over the gradient norms, a block at a time: per step, the smallest early RMS over
-    # the median late RMS, and whether any weight had a gradient.
-    per_step = np.full(rt.n_steps, np.nan)
-    ok_rows = np.zeros(rt.n_steps, dtype=bool)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for a, block in rt.blocks("params/grad_norm"):
-            rms = grad_rms(block[:, weights], numel)
-            ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
-            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
+    per_step, ok_rows = _early_to_late_per_step(rt, weights, early, late)
     if ok_rows.sum() < cfg.min_window:
         return []
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         rows = np.flatnonzero(ok_rows)
-        n_win = max(cfg.min_window, int(len(rows) * cfg.window_frac))
-        win = rows[-n_win:]
+        win = rows[-max(cfg.min_window, int(len(rows) * cfg.window_frac)):]
         med = median_grad_rms(rt, win, weights)  # per weight tensor, over the window
         early_min = np.nanmin(med[early])
         late_med = np.nanmedian(med[late])
@@ -93,10 +94,9 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     near_zero = early_min < cfg.near_zero_rms
     if not (ratio < cfg.ratio or near_zero):
         return []
-
-    below = trailing_median(per_step, cfg.onset_window) < cfg.ratio
-    onset = np.flatnonzero(below)
-    step_i = int(onset[0]) if onset.size else int(win[0])
+    # The onset: the first step where the trailing median of the per-step ratio fell under.
+    onset = np.flatnonzero(trailing_median(per_step, cfg.onset_window) < cfg.ratio)
+    step = int(rt.step_index[int(onset[0]) if onset.size else int(win[0])])
     worst = [names[j] for j in np.argsort(med[early])[:3] if med[early][j] <= ratio * 10 * late_med or near_zero]
     where = worst or [names[int(np.nanargmin(med[early]))]]
     evidence = {
@@ -106,15 +106,36 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
         "early_grad_rms": {names[j]: float(med[j]) for j in range(early.stop)},
         "late_grad_rms": {names[j]: float(med[j]) for j in range(late.start, late.stop)},
     }
-    factor = f"{1 / ratio:.3g}x smaller than" if ratio > 0 else "zero, unlike"
-    summary = (f"Gradients of the early layers are {factor} those of the late "
-               f"layers (gradient RMS {early_min:.3g} in {where[0]} vs median {late_med:.3g} in the "
-               f"last layers, steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}); "
-               f"below the {cfg.ratio:g} ratio since step {int(rt.step_index[step_i])}.")
+    summary = _summary(evidence, early_min, late_med, near_zero, where[0], step, cfg)
+    return [Finding(KIND, "warning", step, where, summary, evidence, ADVICE)]
+
+
+def _early_to_late_per_step(rt: RankTrace, weights: list[int], early: slice,
+                            late: slice) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, the smallest early gradient RMS over the median late one, and whether any
+    weight had a gradient: one pass over the gradient norms, a block at a time."""
+    numel = rt.param_numel[weights].astype(np.float64)
+    per_step = np.full(rt.n_steps, np.nan)
+    ok_rows = np.zeros(rt.n_steps, dtype=bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for a, block in rt.blocks("params/grad_norm"):
+            rms = grad_rms(block[:, weights], numel)
+            ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
+            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
+    return per_step, ok_rows
+
+
+def _summary(ev: dict, early_min: float, late_med: float, near_zero: bool, worst: str, step: int,
+             cfg: VanishingGradientsConfig) -> str:
+    ratio = ev["early_to_late_rms_ratio"]
+    span = f"steps {ev['window_steps'][0]}-{ev['window_steps'][1]}"
     if near_zero and ratio >= cfg.ratio:
-        summary = (f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {where[0]}, "
-                   f"steps {evidence['window_steps'][0]}-{evidence['window_steps'][1]}).")
-    return [Finding(KIND, "warning", int(rt.step_index[step_i]), where, summary, evidence, ADVICE)]
+        return f"Gradients of the early layers are near zero (RMS {early_min:.3g} in {worst}, {span})."
+    factor = f"{1 / ratio:.3g}x smaller than" if ratio > 0 else "zero, unlike"
+    return (f"Gradients of the early layers are {factor} those of the late "
+            f"layers (gradient RMS {early_min:.3g} in {worst} vs median {late_med:.3g} in the "
+            f"last layers, {span}); below the {cfg.ratio:g} ratio since step {step}.")
 
 
 def _all_zero(rt: RankTrace, med: np.ndarray, names: list[str], win: np.ndarray,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...analyzer.detectors import dataloader_bottleneck
 from ...analyzer.findings import Finding
 from ..context import Context
 from ..model import Figure, Text
@@ -13,14 +14,16 @@ KIND = "dataloader_bottleneck"
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    share = f.evidence.get("data_wait_share")
+    ev: dataloader_bottleneck.Evidence = f.evidence
+    share = ev.get("data_wait_share")
     pct = f"{num(100 * share, '.0f')}% of each step" if isinstance(share, (int, float)) else "much of each step"
     return text(f"the training waited for its input {pct} from {step(f.step)}")
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
-    share = f.evidence.get("data_wait_share")
+    ev: dataloader_bottleneck.Evidence = f.evidence
+    share = ev.get("data_wait_share")
     caption = (f"Time of each step (host clock) split into the phases the recorder times ({phase_list()}), "
                f"stacked, in ms; the first (orange, at the bottom) holds the wait for the next batch.")
     if isinstance(share, (int, float)):

@@ -3,6 +3,7 @@ threshold, and the step it was crossed."""
 
 from __future__ import annotations
 
+from ...analyzer.detectors import exploding_gradients
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, first_nonfinite, no_figure, rows_between, undrawn
@@ -15,7 +16,7 @@ TITLE = "Gradient norm per layer"
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    ev = f.evidence
+    ev: exploding_gradients.Evidence = f.evidence
     how = "exploded" if f.severity == "error" else "jumped"
     where = text(" (fastest growth in ", names(f.where), ")") if f.where else ()
     return text(f"gradients {how} from {step(f.step)}, to {num(ev.get('ratio_at_step'))}x their early norm",
@@ -36,7 +37,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     lines = [plots.Line(n, frame.index.to_numpy(), frame[n].to_numpy(), emphasis=n in f.where) for n in drawn]
     lines.append(plots.Line("total (all gradients)", total.index.to_numpy(), total.to_numpy(),
                             color="black", style="--", width=1.3))
-    ev = f.evidence
+    ev: exploding_gradients.Evidence = f.evidence
     hlines = []
     base, ratio = ev.get("baseline_total_grad_norm"), ev.get("threshold_ratio")
     if isinstance(base, (int, float)) and base > 0:

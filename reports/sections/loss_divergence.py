@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ...analyzer.detectors import loss_divergence
 from ...analyzer.findings import Finding
 from ...analyzer.series import trailing_median
 from .. import plots
@@ -17,7 +18,7 @@ KIND = "loss_divergence"
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    ev = f.evidence
+    ev: loss_divergence.Evidence = f.evidence
     tail = (f", then went NaN/Inf at {step(ev['first_nonfinite_loss_step'])}"
             if ev.get("first_nonfinite_loss_step") is not None else "")
     return text(f"the loss diverged from {step(f.step)} ({num(ev.get('loss_at_step'), '.4g')} against a "
@@ -30,7 +31,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     loss = rt.steps["loss"]
     if not np.isfinite(loss.to_numpy()).any():
         return no_figure(title, "No finite loss was recorded.")
-    window = int(f.evidence.get("window_steps") or ctx.cfg.loss_divergence.window)
+    ev: loss_divergence.Evidence = f.evidence
+    window = int(ev.get("window_steps") or ctx.cfg.loss_divergence.window)
     y = loss.to_numpy(dtype=np.float64)
     med = trailing_median(np.where(np.isfinite(y), y, np.nan), window)
     med[: window - 1] = np.nan
@@ -42,7 +44,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     smoothed = rows_between(pd.DataFrame({"m": med, "b": best}, index=idx), span)
     x = smoothed.index.to_numpy()
     extra = [plots.Line("best so far", x, smoothed["b"].to_numpy(), color="#2e7d32", style="--", width=1.2)]
-    bad = f.evidence.get("first_nonfinite_loss_step")
+    bad = ev.get("first_nonfinite_loss_step")
     caption = (f"Loss per step (grey), its trailing median over {window} steps (thick) and the lowest "
                f"median so far (green dashed). The dotted line marks {step(f.step)}, where the loss "
                f"rose far above its best and stayed up")

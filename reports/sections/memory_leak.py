@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analyzer.detectors import memory_leak
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -23,8 +24,9 @@ def per_step(bytes_per_step: float) -> str:
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    slope = f.evidence.get("bytes_per_step")
-    series = SERIES.get(f.evidence.get("series"), "memory")
+    ev: memory_leak.Evidence = f.evidence
+    slope = ev.get("bytes_per_step")
+    series = SERIES.get(ev.get("series"), "memory")
     grew = f"grew by {per_step(slope)} per step" if isinstance(slope, (int, float)) else "grew steadily"
     return text(f"{series} {grew} from {step(f.step)}")
 
@@ -33,7 +35,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Memory over steps", f.rank)
     df = rt.steps
-    col = f.evidence.get("series", "rss_bytes")
+    ev: memory_leak.Evidence = f.evidence
+    col = ev.get("series", "rss_bytes")
     if col not in df.columns:
         return no_figure(title, f"The trace holds no {col}.")
     x = df.index.to_numpy()
@@ -42,7 +45,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
         y = df[c].to_numpy(dtype=float)
         series[SERIES.get(c, c)] = (x, np.where(y >= 0, y / MIB, np.nan))
     fit = None
-    slope, span = f.evidence.get("bytes_per_step"), f.evidence.get("steps_analysed")
+    slope, span = ev.get("bytes_per_step"), ev.get("steps_analysed")
     if isinstance(slope, (int, float)) and span and len(span) == 2:
         sel = (x >= span[0]) & (x <= span[1])
         y = df[col].to_numpy(dtype=float)[sel]
@@ -50,7 +53,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
         if ok.any():
             intercept = float(np.mean(y[ok] - slope * x[sel][ok]))
             xs = np.array([span[0], span[1]], dtype=float)
-            r2 = f.evidence.get("r2")
+            r2 = ev.get("r2")
             label = f"fit: {per_step(slope)}/step" + (f", R² {r2:.2f}" if isinstance(r2, (int, float)) else "")
             fit = plots.Line(label, xs, (slope * xs + intercept) / MIB, color="#c62828", style="--", width=1.6)
     n = df["live_tensors"].to_numpy(dtype=float)

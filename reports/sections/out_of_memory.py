@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analyzer.detectors import out_of_memory
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -16,7 +17,8 @@ MIB = 2**20
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    device = f.evidence.get("device", "the device")
+    ev: out_of_memory.Evidence = f.evidence
+    device = ev.get("device", "the device")
     return text(f"memory ran out on {device} at {step(f.step)}")
 
 
@@ -27,7 +29,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     if not len(df):
         return no_figure(title, "No step was recorded before memory ran out.")
     x = df.index.to_numpy()
-    cuda = str(f.evidence.get("device", "")).startswith("cuda") and bool((df["cuda_allocated_bytes"] >= 0).all())
+    ev: out_of_memory.Evidence = f.evidence
+    cuda = str(ev.get("device", "")).startswith("cuda") and bool((df["cuda_allocated_bytes"] >= 0).all())
     cols = (("cuda_allocated_bytes", "CUDA allocated"), ("cuda_reserved_bytes", "CUDA reserved")) if cuda \
         else (("rss_bytes", "resident memory (RSS)"),)
     # What the process held when the allocation failed (read by the recorder at the failure), as
@@ -38,7 +41,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     for c, label in cols:
         y = df[c].to_numpy(dtype=float)
         xs, ys = x, np.where(y >= 0, y / MIB, np.nan)
-        held = f.evidence.get(at_failure[c])
+        held = ev.get(at_failure[c])
         if isinstance(held, (int, float)) and held >= 0 and f.step is not None and f.step > x[-1]:
             xs, ys = np.append(xs, f.step), np.append(ys, held / MIB)
             extended = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analyzer.detectors import slow_steps
 from ...analyzer.findings import Finding
 from ..context import Context
 from ..model import Figure, Text
@@ -16,13 +17,14 @@ KIND = "slow_steps"
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    n = f.evidence.get("slow_steps")
+    ev: slow_steps.Evidence = f.evidence
+    n = ev.get("slow_steps")
     return text(f"{n if n is not None else 'some'} step(s) were slow, the slowest at {step(f.step)}")
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
-    ev = f.evidence
+    ev: slow_steps.Evidence = f.evidence
     median = ev.get("median_step_s")
     ratio = ctx.cfg.slow_steps.ratio
     hlines = ([(median * 1e3, "median step", "#37474f", "--"),

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 
+from ...analyzer.detectors import update_ratio
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure
@@ -19,7 +20,7 @@ USUAL = 1e-3
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    ev = f.evidence
+    ev: update_ratio.Evidence = f.evidence
     med = ev.get("median_ratio_by_parameter") or {}
     first = num(next(iter(med.values()))) if med else "?"
     if ev.get("direction") == "too_small":
@@ -46,7 +47,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     x = upd.index.to_numpy()
     lines = [plots.Line(c, x, upd[c].to_numpy(dtype=float), emphasis=c in mine, marker="." if len(x) < 60 else None)
              for c in drawn]
-    thr = f.evidence.get("threshold")
+    ev: update_ratio.Evidence = f.evidence
+    thr = ev.get("threshold")
     hlines = [(USUAL, "usual ~1e-3", "#2e7d32", "--")]
     if isinstance(thr, (int, float)):
         hlines.append((float(thr), f"threshold {thr:g}", "#c62828", "--"))
@@ -65,10 +67,12 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
 
 
 def _first(f: Finding):
-    med = f.evidence.get("median_ratio_by_parameter") or {}
+    ev: update_ratio.Evidence = f.evidence
+    med = ev.get("median_ratio_by_parameter") or {}
     return next(iter(med.values()), None)
 
 
 def _window(f: Finding) -> str:
-    w = f.evidence.get("window_steps") or ["?", "?"]
+    ev: update_ratio.Evidence = f.evidence
+    w = ev.get("window_steps") or ["?", "?"]
     return f"{w[0]:,}-{w[-1]:,}" if all(isinstance(v, int) for v in w) else "?"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...analyzer.detectors import vanishing_gradients
 from ...analyzer.findings import Finding
 from ...analyzer.trace.gradients import median_grad_rms, weight_tensors
 from .. import plots
@@ -19,7 +20,8 @@ MAX_BARS = 400
 
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
-    r = f.evidence.get("early_to_late_rms_ratio")
+    ev: vanishing_gradients.Evidence = f.evidence
+    r = ev.get("early_to_late_rms_ratio")
     where = f.where[0] if f.where else None
     if isinstance(r, (int, float)) and r > 0:
         return text("gradients of the early layers", text(" (", name(where), ")") if where else "",
@@ -31,7 +33,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Gradient RMS by depth", f.rank)
     weights = weight_tensors(rt)
-    win = f.evidence.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
+    ev: vanishing_gradients.Evidence = f.evidence
+    win = ev.get("window_steps") or [int(rt.step_index[0]), int(rt.step_index[-1])]
     # The judged window's per-tensor median, as the detector takes it.
     span = rt.rows_in_span(win[0], win[-1])
     med = read_or_none(lambda: median_grad_rms(rt, np.arange(span.start, span.stop), weights)) \
