@@ -101,7 +101,7 @@ def rerun_losses(trace) -> dict:
         for a in attempts:
             if a.joined and a.rerun is not None:
                 label = f"attempt {a.number}, steps run again" + (f" (rank {rank})" if multi else "")
-                out[label] = a.trace.steps["loss"].iloc[a.kept:]
+                out[label] = a.trace.columns["loss"].iloc[a.kept:]
     return out
 
 

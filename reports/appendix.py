@@ -69,7 +69,7 @@ def memory_peak_table(ctx: Context) -> Table | None:
     groups = read_or_none(lambda: rt.census_groups)
     if groups is None or not len(groups) or rt.n_steps == 0:
         return None
-    steps = rt.steps
+    steps = rt.columns
     cuda = bool((steps["cuda_allocated_bytes"] >= 0).all())
     mem = steps["cuda_allocated_bytes" if cuda else "rss_bytes"].to_numpy(dtype=float)
     i = int(np.nanargmax(mem))
@@ -205,7 +205,7 @@ def recorded(ctx: Context) -> list[Recorded]:
     cfg = rt.meta.get("config", {}) if isinstance(rt.meta.get("config"), dict) else {}
     out = []
     n = rt.n_steps
-    loss = rt.steps["loss"].to_numpy() if n else np.zeros(0)
+    loss = rt.columns["loss"].to_numpy() if n else np.zeros(0)
     given = int(np.isfinite(loss).sum())
     out.append(Recorded("Loss", given > 0, f"finite at {given:,} of {n:,} steps" if given else
                         "never given (call rec.step(loss=loss))"))
@@ -232,7 +232,7 @@ def recorded(ctx: Context) -> list[Recorded]:
                         f"{plural(len(att_sites), 'attention layer')}, {plural(len(att), 'sampled step')}"
                         if att is not None and len(att) else "no attention layer was seen (nn.MultiheadAttention "
                         "or F.scaled_dot_product_attention)"))
-    steps = rt.steps
+    steps = rt.columns
     out.append(Recorded("Resident memory (RSS)", n > 0 and bool((steps["rss_bytes"] >= 0).any()), "every step"))
     cuda = n > 0 and bool((steps["cuda_allocated_bytes"] >= 0).any())
     out.append(Recorded("CUDA memory (allocated, reserved, peak)", cuda,

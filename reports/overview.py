@@ -34,7 +34,7 @@ def build(ctx: Context, name: str) -> Figure | None:
 def _loss(ctx: Context) -> Figure:
     title = "Loss"
     multi = len(ctx.trace.ranks) > 1
-    losses = {(f"rank {r}" if multi else "loss"): rt.steps["loss"] for r, rt in ctx.trace.ranks.items()}
+    losses = {(f"rank {r}" if multi else "loss"): rt.columns["loss"] for r, rt in ctx.trace.ranks.items()}
     losses.update(rerun_losses(ctx.trace))  # a restarted job: the steps a later attempt ran again
     if not any(np.isfinite(s.to_numpy()).any() for s in losses.values()):
         return no_figure(title, "No finite loss was recorded (was rec.step() called with loss=?).")
@@ -131,7 +131,7 @@ def _memory(ctx: Context) -> Figure:
     series = {}
     multi = len(ctx.trace.ranks) > 1
     for r, rt in ctx.trace.ranks.items():
-        df = rt.steps
+        df = rt.columns
         x = df.index.to_numpy()
         for col, label in (("rss_bytes", "resident (RSS)"), ("cuda_allocated_bytes", "CUDA allocated"),
                            ("cuda_reserved_bytes", "CUDA reserved")):

@@ -37,7 +37,7 @@ def learning_rate(ctx: Context) -> Figure:
     rt = ctx.focus
     title = ctx.title_rank("Learning rate", rt.rank)
     steps = rt.step_index
-    lr = rt.steps["lr"].to_numpy(dtype=np.float64)
+    lr = rt.columns["lr"].to_numpy(dtype=np.float64)
     if not np.isfinite(lr).any():
         return no_figure(title, "No learning rate was recorded (no optimizer step of the model was seen, "
                                 "or the trace predates it).")
@@ -57,7 +57,7 @@ def learning_rate(ctx: Context) -> Figure:
 def loss_scale(ctx: Context) -> Figure | None:
     """AMP's loss scale, or None for a run without a GradScaler (nothing to show)."""
     rt = ctx.focus
-    scale = rt.steps["loss_scale"].to_numpy(dtype=np.float64)
+    scale = rt.columns["loss_scale"].to_numpy(dtype=np.float64)
     if not np.isfinite(scale).any():
         return None
     steps = rt.step_index

@@ -125,7 +125,7 @@ def optimizer_line(rt: RankTrace) -> str:
     """``Adam, lr 0.001`` or ``AdamW, lr 1e-05 to 0.0003``: the first optimizer and the range of its
     learning rate; "" when the trace has neither."""
     names = [str(c) for c in rt.optimizers["class"]] if len(rt.optimizers) else []
-    lr = rt.steps["lr"].to_numpy(dtype=np.float64) if rt.n_steps else np.zeros(0)
+    lr = rt.columns["lr"].to_numpy(dtype=np.float64) if rt.n_steps else np.zeros(0)
     lr = lr[np.isfinite(lr)]
     rate = ""
     if lr.size:

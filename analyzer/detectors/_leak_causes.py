@@ -134,7 +134,7 @@ def _group_cause(grp: _Group, modules: list[str]) -> tuple[str, str]:
 
 def census_cause(rt, steps, evidence) -> tuple[str, str]:
     """What the live-tensor census says about the cause, and the matching advice."""
-    df = rt.steps
+    df = rt.columns
     n = df["live_tensors"].to_numpy(dtype=float)
     g = df["live_tensors_with_graph"].to_numpy(dtype=float)
     b = df["live_tensor_bytes"].to_numpy(dtype=float)

@@ -30,7 +30,7 @@ SPIKE_RATIO, SPIKE_WINDOW = 3.0, 50
 
 def lr_context(rt: RankTrace, row: int) -> tuple[dict, str]:
     """(evidence, a clause for the summary or "") about the learning rate up to ``row``."""
-    whole = rt.steps["lr"].to_numpy(dtype=np.float64)
+    whole = rt.columns["lr"].to_numpy(dtype=np.float64)
     lr = whole[: row + 1]
     ok = np.flatnonzero(np.isfinite(lr))
     if not ok.size or not np.isfinite(lr[row]):

@@ -57,7 +57,7 @@ _ADVICE_DATA = (
 
 def detect(rt: RankTrace, cfg: DataloaderBottleneckConfig) -> list[Finding]:
     t, total = phases(rt)
-    wait = rt.steps["data_wait_s"].to_numpy(dtype=float)
+    wait = rt.columns["data_wait_s"].to_numpy(dtype=float)
     ok = np.isfinite(total) & (total > 0) & np.isfinite(wait)
     ok[: cfg.skip_steps] = False
     if ok.sum() < cfg.min_steps:

@@ -130,7 +130,7 @@ def _measure_growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> tuple[str, 
     steps = rt.step_index
     # A baseline from healthy steps only: a step whose loss is exactly 0 has (near) zero
     # gradients, against which any ordinary gradient would look like an explosion.
-    healthy = np.isfinite(total) & (total > 0) & (rt.steps["loss"].to_numpy() != 0)
+    healthy = np.isfinite(total) & (total > 0) & (rt.columns["loss"].to_numpy() != 0)
     idx = np.flatnonzero(healthy)
     n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
     if len(idx) < n_base + 1:

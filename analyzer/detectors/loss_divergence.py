@@ -106,7 +106,7 @@ def no_loss(rt: RankTrace, kind: str) -> list[Finding]:
     """[info finding] if the trace has steps but no loss was ever passed to rec.step(), else []."""
     if rt.n_steps == 0:
         return []
-    loss = rt.steps["loss"].to_numpy()
+    loss = rt.columns["loss"].to_numpy()
     if not np.isnan(loss).all():
         return []
     return [Finding(kind, "info", None, [],
@@ -124,11 +124,11 @@ def loss_series(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     weights are non-finite too, or absent (a NaN loss makes every gradient NaN); a NaN with
     finite gradients is a step whose loss was not passed.
     """
-    loss = rt.steps["loss"].to_numpy(dtype=np.float64)
+    loss = rt.columns["loss"].to_numpy(dtype=np.float64)
     nan = np.isnan(loss)
     real_nan = np.zeros(len(loss), dtype=bool)
     if nan.any():
-        given = rt.steps["loss_given"].to_numpy()
+        given = rt.columns["loss_given"].to_numpy()
         d = rt.digest
         broken = d.grad_nonfinite | d.param_nonfinite | d.grad_absent
         guessed = nan & (np.cumsum(~nan) > 0) & broken

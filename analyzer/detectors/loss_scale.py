@@ -75,7 +75,7 @@ def detect(rt: RankTrace, cfg: LossScaleConfig) -> list[Finding]:
     step = int(steps[c.row])
     evidence = _evidence(h)
     evidence["first_step"] = step
-    lr = rt.steps["lr"].to_numpy(dtype=np.float64)
+    lr = rt.columns["lr"].to_numpy(dtype=np.float64)
     if np.isfinite(lr[c.row]):
         evidence["lr_at_step"] = float(lr[c.row])
     summary = (f"AMP's loss scale collapsed from step {step}: {_what(c, h.scale, steps, cfg)}; "
@@ -114,7 +114,7 @@ class _Collapse:
 def _history(rt: RankTrace) -> _ScaleHistory | None:
     if rt.n_steps == 0:
         return None
-    scale = rt.steps["loss_scale"].to_numpy(dtype=np.float64)
+    scale = rt.columns["loss_scale"].to_numpy(dtype=np.float64)
     used = np.isfinite(scale)
     if not used.any():
         return None  # no GradScaler (or a trace from before the schedule was recorded)

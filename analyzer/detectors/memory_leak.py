@@ -95,7 +95,7 @@ ORDER = 60  # among findings of one step and stage, the detectors run (and list)
 
 
 def detect(rt: RankTrace, cfg: MemoryLeakConfig) -> list[Finding]:
-    steps_df = rt.steps
+    steps_df = rt.columns
     if len(steps_df) < cfg.min_steps:
         return []
     steps = steps_df.index.to_numpy()
@@ -151,7 +151,7 @@ def _graphs_kept(rt, steps, rss, cfg) -> Finding | None:
 
 def _graph_count_growth(rt, steps, rss, cfg) -> dict | None:
     """The evidence of a census count of tensors holding a graph that grows along a straight line."""
-    g = rt.steps["live_tensors_with_graph"].to_numpy(dtype=float)
+    g = rt.columns["live_tensors_with_graph"].to_numpy(dtype=float)
     sel = g >= 0
     if sel.sum() < cfg.graph_min_censuses:
         return None

@@ -131,7 +131,7 @@ class _FirstBadStep:
 
 
 def _measure(rt: RankTrace) -> _FirstBadStep | None:
-    steps, idx, d = rt.steps, rt.step_index, rt.digest
+    steps, idx, d = rt.columns, rt.step_index, rt.digest
     loss = steps["loss"].to_numpy()
     origin = steps["nonfinite_origin"].to_numpy()
     batch_bad = steps["batch_nonfinite"].to_numpy() > 0

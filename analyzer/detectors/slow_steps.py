@@ -91,7 +91,7 @@ def _profiled(rt: RankTrace) -> np.ndarray:
     steps = rt.step_index
     in_window = np.zeros(len(steps), dtype=bool)
     pw = rt.profile_windows
-    ends = rt.steps["time_s"].to_numpy(dtype=float)  # when each step's rec.step() ran
+    ends = rt.columns["time_s"].to_numpy(dtype=float)  # when each step's rec.step() ran
     starts = np.concatenate([[-np.inf], ends[:-1]])
     exported = pw["exported_unix"].to_numpy(dtype=float) if "exported_unix" in pw else np.full(len(pw), np.nan)
     for a, b, done in zip(pw.get("step_start", []), pw.get("step_end", []), exported):
@@ -120,7 +120,7 @@ class _StepRecord:
 
 def _read_steps(rt: RankTrace, t: np.ndarray, total: np.ndarray, base: np.ndarray,
                 in_window: np.ndarray) -> _StepRecord:
-    df = rt.steps
+    df = rt.columns
     wait = np.nan_to_num(df["data_wait_s"].to_numpy(dtype=float), nan=0.0)
     parts = np.column_stack([wait, t[:, 0] - wait, t[:, 1:]])
     snaps = rt.memory_snapshots

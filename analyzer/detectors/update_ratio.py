@@ -143,7 +143,7 @@ def _sampled_updates(rt: RankTrace, cfg: UpdateRatioConfig) -> tuple[np.ndarray,
     rows = np.minimum(rows, rt.n_steps - 1)
     keep = rt.step_index[rows] == upd.index.to_numpy()
     # A step that ran no optimizer step (a GradScaler skip) moved nothing: not a sample of updates.
-    keep &= rt.steps["optimizer_steps"].to_numpy()[rows] != 0
+    keep &= rt.columns["optimizer_steps"].to_numpy()[rows] != 0
     if keep.sum() < cfg.min_samples:
         return None
     return upd.to_numpy(dtype=np.float64)[keep], rows[keep], upd.index.to_numpy()[keep]

@@ -15,7 +15,8 @@ versions. It never imports torch, never unpickles, and never executes anything f
 
     run = load("runs/exp1")
     rt = run.ranks[0]
-    rt.steps["loss"]              # a per-step column (Series by step): loss, time, memory, ...
+    rt.steps                      # DataFrame by step: loss, time, memory, lr, ... (not measured: NaN)
+    rt.columns["loss"]            # one per-step column, read alone (as the analyzer reads them)
     rt.param_stat("grad_norm")    # DataFrame, steps x parameter names (the whole run)
     rt.param_stat("grad_norm", rows=slice(-100, None))   # only the last 100 steps
     for start, block in rt.blocks("params/grad_norm"): ...  # the whole run, a block at a time

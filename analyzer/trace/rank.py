@@ -20,7 +20,7 @@ from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, S
                      _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .memory_tables import MemoryTables
 from .site_tables import SiteTables
-from .step_columns import STEP_COLUMNS, StepColumns
+from .step_columns import NOT_MEASURED_IS_MINUS_ONE, STEP_COLUMNS, StepColumns
 from .stored_tensors import StoredTensors
 from .streaming import StepDigest
 from .table_reads import TableReads
@@ -96,12 +96,22 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
         return self._read("steps/step", self.n_steps)
 
     @cached_property
-    def steps(self) -> "StepColumns":
-        """One row per step: time_s, loss, rss_bytes, cuda_*_bytes, nonfinite_origin,
-        batch_nonfinite, live_tensors*, and the step's time split (*_s). Indexed like a
-        DataFrame (``rt.steps["loss"]`` is a Series by step), but each column is read from the
-        file when asked for and not kept: a million steps hold 8 MB a column, not 130 MB."""
+    def columns(self) -> "StepColumns":
+        """The per-step table as the analyzer reads it: a column at a time (``rt.columns["loss"]``
+        is a Series by step), each read from the file when asked for and not kept (a million steps
+        hold 8 MB a column, not 130 MB), "not measured" as the file holds it (-1, NaN)."""
         return StepColumns(self)
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        """One row per step, indexed by step: time_s, loss, rss_bytes, cuda_*_bytes,
+        nonfinite_origin, batch_nonfinite, live_tensors*, the step's time split (*_s), lr,
+        loss_scale, optimizer_steps, ... (docs/trace_format.md). What was not measured on a step
+        is NaN; nonfinite_origin and nonfinite_consumer are module indices (-1: none)."""
+        df = self.columns.frame()
+        for col in NOT_MEASURED_IS_MINUS_ONE:
+            df[col] = df[col].where(df[col] != -1).astype(np.float64)
+        return df
 
     def _step_column(self, col: str) -> np.ndarray:
         name = f"steps/{col}"
@@ -322,7 +332,7 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
 
     @property
     def wall_time_s(self) -> float:
-        t = self.steps["time_s"].to_numpy()
+        t = self.columns["time_s"].to_numpy()
         if t.size == 0:
             return 0.0
         return float(t[-1] - self.meta.get("start_unix", t[0]))

@@ -13,12 +13,17 @@ if TYPE_CHECKING:
     from .rank import RankTrace
 
 
+# Columns where -1 in the file means "not measured" (a CPU run's CUDA bytes, a step without a
+# census): RankTrace.steps, the DataFrame users read, shows NaN there.
+NOT_MEASURED_IS_MINUS_ONE = ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
+                             "live_tensors", "live_tensor_bytes", "live_tensors_with_graph", "gc_gen2",
+                             "optimizer_steps", "loss_given", "output_grad_nonfinite")
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *upgrade.step_columns())
 
 
 class StepColumns:
-    """The per-step table of a rank, read a column at a time (see RankTrace.steps)."""
+    """The per-step table of a rank, read a column at a time (RankTrace.columns; RankTrace.steps is the DataFrame)."""
 
     columns = STEP_COLUMNS
 

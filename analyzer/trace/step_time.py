@@ -15,6 +15,6 @@ PHASE_NAMES = {"between_steps_s": "between steps (data loading and other loop co
 
 def phases(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     """(steps x 4 phase times, total per step) with NaN rows where a phase was not timed."""
-    df = rt.steps
+    df = rt.columns
     t = np.stack([df[c].to_numpy(dtype=float) for c in PHASES], axis=1)
     return t, t.sum(axis=1)

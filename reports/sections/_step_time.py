@@ -21,19 +21,19 @@ def phase_list() -> str:
 
 
 def timed(rt: RankTrace) -> bool:
-    return bool(np.isfinite(rt.steps["forward_s"].to_numpy(dtype=float)).any())
+    return bool(np.isfinite(rt.columns["forward_s"].to_numpy(dtype=float)).any())
 
 
 def _split(rt: RankTrace) -> bool:
     """Whether the time between steps splits into the DataLoader's wait and the rest."""
-    return bool(np.isfinite(rt.steps["data_wait_s"].to_numpy(dtype=float)).any())
+    return bool(np.isfinite(rt.columns["data_wait_s"].to_numpy(dtype=float)).any())
 
 
 def _layers(rt: RankTrace, split: bool):
     """Yield (label, ms per step) of each stacked layer, one column read at a time: a long run is
     bucketed column by column, never held whole."""
     def ms(name):
-        return np.nan_to_num(rt.steps[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
+        return np.nan_to_num(rt.columns[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
 
     for p in PHASES:
         if p == "between_steps_s" and split:

@@ -28,7 +28,7 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Loss", f.rank)
-    loss = rt.steps["loss"]
+    loss = rt.columns["loss"]
     if not np.isfinite(loss.to_numpy()).any():
         return no_figure(title, "No finite loss was recorded.")
     ev: loss_divergence.Evidence = f.evidence

@@ -24,7 +24,7 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Loss plateau", f.rank)
-    loss = rt.steps["loss"]
+    loss = rt.columns["loss"]
     y = loss.to_numpy(dtype=np.float64)
     if not np.isfinite(y).any():
         return no_figure(title, "No finite loss was recorded.")

@@ -34,7 +34,7 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Memory over steps", f.rank)
-    df = rt.steps
+    df = rt.columns
     ev: memory_leak.Evidence = f.evidence
     col = ev.get("series", "rss_bytes")
     if col not in df.columns:

@@ -84,7 +84,7 @@ def _figure_for(ctx: Context, f: Finding) -> Figure:
     if stage in ("backward", "loss_backward", "optimizer"):
         return _gradients(ctx, f, rt, span, note)
     title = ctx.title_rank("Loss around the first NaN/Inf", f.rank)
-    loss = rt.steps["loss"]
+    loss = rt.columns["loss"]
     if not np.isfinite(loss.to_numpy()).any():
         return no_figure(title, "No finite loss was recorded.")
     caption = (f"Loss per step; the dotted line marks {step(f.step)}, where NaN/Inf first appeared "

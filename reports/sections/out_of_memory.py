@@ -25,7 +25,7 @@ def phrase(fs: list[Finding]) -> Text:
 def figure_for(ctx: Context, f: Finding) -> Figure:
     rt = ctx.rank(f.rank)
     title = ctx.title_rank("Memory before it ran out", f.rank)
-    df = rt.steps
+    df = rt.columns
     if not len(df):
         return no_figure(title, "No step was recorded before memory ran out.")
     x = df.index.to_numpy()

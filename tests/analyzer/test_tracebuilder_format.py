@@ -108,7 +108,7 @@ def test_builder_trace_reads_like_a_recorded_one(real_trace, tmp_path):
     real = load(real_trace.parent).ranks[0]
     assert built.n_steps == real.n_steps == 12 and built.closed_cleanly and real.closed_cleanly
     assert built.param_names == real.param_names and built.module_types == real.module_types
-    assert list(built.steps.frame().columns) == list(real.steps.frame().columns)
+    assert list(built.steps.columns) == list(real.steps.columns)
     assert built.activity_sites.columns.tolist() == real.activity_sites.columns.tolist()
     assert built.n_samples("activations") == real.n_samples("activations") == 2
 

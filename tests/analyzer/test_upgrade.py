@@ -23,8 +23,9 @@ def test_a_trace_lacking_every_added_dataset_reads_as_upgrade_says(tmp_path):
     _old_trace(tmp_path)
     rt = load(str(tmp_path)).ranks[0]
     assert not any(rt.lacks(name) for name in upgrade.ADDED)
-    assert np.isnan(rt.steps["lr"]).all() and (rt.steps["optimizer_steps"] == -1).all()
-    assert (rt.steps["live_tensors"] == -1).all() and np.isnan(rt.steps["forward_s"]).all()
+    assert np.isnan(rt.columns["lr"]).all() and (rt.columns["optimizer_steps"] == -1).all()
+    assert (rt.columns["live_tensors"] == -1).all() and np.isnan(rt.columns["forward_s"]).all()
+    assert rt.steps[["lr", "optimizer_steps", "live_tensors"]].isna().all().all()  # users read NaN
     assert (rt.param_shards == 1).all()
     assert list(rt.census_groups["grad_fn"]) == [""]
     # Schema 1 watched every step of an activity window.

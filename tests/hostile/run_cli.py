@@ -81,7 +81,7 @@ for rt in trace.ranks.values():
             rt.profile_trace(int(w))
     views = {
         "meta": lambda: (rt.meta, rt.rank, rt.n_steps, rt.closed_cleanly, rt.wall_time_s, rt.step_index),
-        "steps": lambda: rt.steps.frame(STEP_COLUMNS),
+        "steps": lambda: rt.columns.frame(STEP_COLUMNS),
         "param_stat": lambda: [rt.param_stat(s) for s in PARAM_STATS],
         "module_stat": lambda: rt.module_stat(),
         "activation_stat": lambda: [rt.activation_stat(s) for s in ACTIVATION_STATS],

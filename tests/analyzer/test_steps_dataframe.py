@@ -1,0 +1,27 @@
+"""load(run).ranks[r].steps is a pandas DataFrame indexed by step, with NaN where a value was not
+measured (never the file's -1), used as people use DataFrames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from tests.tracebuilder import TraceBuilder
+from torchautopsy import load
+
+
+def test_steps_is_a_dataframe_by_step_with_nan_for_not_measured(tmp_path):
+    b = TraceBuilder.mlp(layers=3, steps=30, first_step=100).loss(np.linspace(2.0, 1.0, 30)).total_grad_norm(1.0)
+    b.set("steps/rss_bytes", 5_000_000).set("steps/cuda_allocated_bytes", -1).set("steps/live_tensors", -1)
+    b.set("steps/live_tensors", 42, at=[110]).set("steps/optimizer_steps", 1)
+    b.write(tmp_path)
+    steps = load(str(tmp_path)).ranks[0].steps
+    assert isinstance(steps, pd.DataFrame) and steps.index.name == "step"
+    assert steps.index[0] == 100 and len(steps) == 30
+    assert steps.loc[110, "live_tensors"] == 42 and steps["live_tensors"].notna().sum() == 1
+    assert steps["cuda_allocated_bytes"].isna().all()  # a CPU run: not measured, not -1
+    assert not (steps.select_dtypes("number") == -1)[["rss_bytes", "live_tensors", "optimizer_steps"]].any().any()
+    # As people use DataFrames: rolling means, describe, a query by step.
+    assert steps["loss"].rolling(5).mean().iloc[-1] < steps["loss"].iloc[0]
+    assert steps.loc[105:109, "loss"].is_monotonic_decreasing
+    assert steps.describe().loc["count", "rss_bytes"] == 30
