@@ -1,4 +1,5 @@
-"""The one result type of the analyzer: data only, serialisable to the JSON of DESIGN.md."""
+"""The one result type of the analyzer: data only, serialisable to the JSON of ``analyze --json``
+(docs/architecture.md; each kind's keys: its detector's Evidence)."""
 
 from __future__ import annotations
 

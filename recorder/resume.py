@@ -15,7 +15,8 @@ never lost and the attempts line up on one step axis:
   given. Otherwise, on a restart only (an earlier attempt's trace of this rank is in the run
   directory), it is the step count an optimizer of the model restored from its checkpoint, read
   the first time that optimizer steps (Adam-family ``state[p]["step"]``; SGD keeps none). A
-  first attempt counts from 0, as DESIGN.md says, however long its optimizer trained before. ``begin()`` and ``_resume_at()`` line the schedules up with that step: activity
+  first attempt counts from 0, as the README says, however long its optimizer trained before.
+  ``begin()`` and ``_resume_at()`` line the schedules up with that step: activity
   windows, update-ratio samples, histograms, profiler windows start from it, and the opening
   parameter snapshot is labelled with it (taken again, once the step is known, if it was
   unknown when the Recorder opened: the weights are then those a checkpoint restored).

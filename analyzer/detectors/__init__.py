@@ -1,7 +1,7 @@
 """The detector registry. Every module of this package whose name does not start with "_" is a
 detector, found here by itself, with:
 
-- ``KIND``: the finding kind it reports (DESIGN.md);
+- ``KIND``: the finding kind it reports (the README's table);
 - ``CONFIG``: its thresholds, a frozen dataclass (a table of ``analyze --config``);
 - ``REQUIRES``: the trace datasets it cannot work without (the runner reports a trace that lacks
   one as "not checked", run.py);

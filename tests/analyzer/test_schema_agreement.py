@@ -1,5 +1,5 @@
 """The recorder writes the trace and the analyzer reads it, and neither imports the other (the
-trace file is the only interface: DESIGN.md). So the schema is spelled on both sides, and this
+trace file is the only interface: docs/architecture.md). So the schema is spelled on both sides, and this
 test holds them together: the constants agree, and every dataset the analyzer asks for is one the
 writer writes (or an older format's, listed here)."""
 

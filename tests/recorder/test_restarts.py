@@ -211,7 +211,7 @@ def test_start_step_is_validated(workdir):
 
 def test_a_first_attempt_counts_from_zero_whatever_the_optimizer_did_before(workdir):
     """Recording starts late in a job (Adam has taken 7 steps): no earlier attempt in the run
-    directory, so the first rec.step() is step 0, as DESIGN.md says; start_step= still wins."""
+    directory, so the first rec.step() is step 0, as the README says; start_step= still wins."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
