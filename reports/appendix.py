@@ -214,8 +214,11 @@ def recorded(ctx: Context) -> list[Recorded]:
                         f"every step, {plural(len(rt.param_names), 'parameter tensor')}" if has_g else
                         "no gradient at any rec.step() (call it after optimizer.step(), before zero_grad())"))
     out.append(Recorded("Weight norms", n > 0, f"every step, {plural(len(rt.param_names), 'tensor')}"))
+    watched = read_or_none(lambda: rt.sample_steps("activations"))
     out.append(Recorded("Module outputs (max |x|, where NaN/Inf was born)", n > 0 and bool(rt.module_names),
-                        f"every step, {plural(len(rt.module_names), 'module')}"))
+                        f"{plural(len(rt.module_names), 'module')}, on the watched steps"
+                        + (f" ({which_steps(watched)})" if watched is not None and len(watched) else "")
+                        + " and any step that went NaN/Inf"))
     out.append(_sampled("Activation statistics (mean, std, zero share)", read_or_none(lambda: rt.sample_steps("activations")),
                         "activations_every"))
     out.append(_sampled("Update-to-weight ratios", read_or_none(lambda: rt.sample_steps("updates")), "update_ratio_every"))
@@ -286,9 +289,18 @@ def _sampled(what: str, steps, option: str) -> Recorded:
     """A sampled table's line: how many samples, and how far apart (budgets widen the gaps)."""
     if steps is None or not len(steps):
         return Recorded(what, False, f"none recorded (Recorder option {option})")
+    return Recorded(what, True, which_steps(steps))
+
+
+def which_steps(steps) -> str:
+    """``"every 10 steps: 12 samples, steps 0-110"`` or ``"37 samples: steps 0, 10, 20, …, 1,950"``:
+    on which steps something was measured."""
+    steps = np.asarray(steps)
     every = spacing(steps)
-    return Recorded(what, True, f"every {every} steps: {plural(len(steps), 'sample')}" if every
-                    else plural(len(steps), "sample"))
+    if every:
+        return f"every {every} steps: {plural(len(steps), 'sample')}, steps {int(steps[0]):,}-{int(steps[-1]):,}"
+    shown = ", ".join(f"{int(s):,}" for s in steps[:4])
+    return f"{plural(len(steps), 'sample')}: steps {shown}" + (f", …, {int(steps[-1]):,}" if len(steps) > 4 else "")
 
 
 def _steps_with_nonfinite(rt) -> np.ndarray:

@@ -103,15 +103,20 @@ class Context:
 
     def marks(self, rank: int | None = None, only: Finding | None = None, kind: str | None = None,
               labels: bool = True) -> list[plots.Mark]:
-        """(step, severity, label) of each finding with a step (on ``rank``, of ``kind`` if
-        given; only ``only`` if given); no repeats. Without ``labels`` they stay out of legends."""
+        """(step, severity, label, marker) of each finding with a step (on ``rank``, of ``kind``
+        if given; only ``only`` if given); no repeats. Without ``labels`` they stay out of legends."""
         chosen = [only] if only is not None else self.findings
         seen: dict[tuple[int, str], plots.Mark] = {}
         for f in chosen:
             if f.step is not None and (rank is None or f.rank in (None, rank)) and kind in (None, f.kind):
                 label = f"{f.kind}, step {f.step:,}" if labels else ""
-                seen.setdefault((f.step, f.kind), (f.step, f.severity, label))
+                seen.setdefault((f.step, f.kind), (f.step, f.severity, label, self.marker(f.kind)))
         return list(seen.values())
+
+    def marker(self, kind: str) -> str:
+        """The kind's marker: the kinds in the order the report lists their findings."""
+        kinds = list(dict.fromkeys(f.kind for f in self.findings))
+        return plots.MARKERS[kinds.index(kind) % len(plots.MARKERS)] if kind in kinds else plots.MARKERS[0]
 
     def title_rank(self, title: str, rank: int | None) -> str:
         return f"{title} (rank {rank})" if len(self.trace.ranks) > 1 and rank is not None else title

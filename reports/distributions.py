@@ -33,7 +33,7 @@ def figures(ctx: Context) -> list[Figure]:
         # At most HIST_COLS rows, evenly spread, and the rows nearest each finding's step: memory
         # bounded by the number of layers, whatever the length of the run.
         rows = set(np.linspace(0, len(steps) - 1, min(len(steps), HIST_COLS)).astype(int).tolist())
-        for step, _, _ in ctx.marks(rank=rt.rank):
+        for step, *_ in ctx.marks(rank=rt.rank):
             if len(steps):
                 rows.add(int(np.clip(np.searchsorted(steps, step), 0, len(steps) - 1)))
         data = {k: rt.histograms(k, rows=sorted(rows)) for k in HIST_KINDS}
@@ -73,8 +73,8 @@ def figures(ctx: Context) -> list[Figure]:
         title = ctx.title_rank(f"Value distributions over steps: {labels[g]} layers", rt.rank)
         drawn = sorted({int(x) for _, st, _ in panels for x in st})
         if len(drawn) <= 8:
-            cols = (f"the histograms at steps {', '.join(f'{x:,}' for x in drawn)}, each drawn until the next "
-                    "(the last to the end of the run)")
+            cols = (f"the histograms at steps {', '.join(f'{x:,}' for x in drawn)}, each a narrow column at "
+                    "the step it was taken (nothing was measured between them)")
         else:
             cols = (f"{len(drawn):,} sampled steps from {drawn[0]:,} to {drawn[-1]:,} (at most {HIST_COLS}, "
                     "evenly spread, and those at the findings)")
@@ -124,10 +124,23 @@ def _bin_label(lo: float, hi: float, i: int) -> str:
     return f"{v:+.0e}".replace("e+0", "e").replace("e-0", "e-")
 
 
+def _at_their_steps(steps: np.ndarray, values: np.ndarray, bad: np.ndarray):
+    """Columns [step, step + w) with empty (NaN) columns between them, w a third of the smallest
+    interval between samples (at least one step when the samples allow it)."""
+    w = max(min(1.0, float(np.diff(steps).min()) / 2), float(np.diff(steps).min()) / 3)
+    x_edges = np.column_stack([steps, steps + w]).ravel()
+    n_rows, n = values.shape
+    spaced = np.full((n_rows, 2 * n - 1), np.nan)
+    spaced[:, ::2] = values
+    spaced_bad = np.zeros((n_rows, 2 * n - 1), dtype=bool)
+    spaced_bad[:, ::2] = bad
+    return x_edges, spaced, spaced_bad
+
+
 def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(), end: int | None = None) -> None:
-    """Side-by-side heatmaps (bins x step buckets) of summed histogram counts, one per kind. A
-    column holds from its step to the next one's; the last, to ``end`` (the run's end) or one
-    sampling interval on."""
+    """Side-by-side heatmaps (bins x step buckets) of summed histogram counts, one per kind. Each
+    sample is a narrow column at its step; when there are more samples than columns, a bucket of
+    them holds from its first step to the next bucket's (the last, to ``end`` or one interval on)."""
     fig = ax.figure
     ax.remove()
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
@@ -156,12 +169,15 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         for r, b in enumerate(rows):
             if b in (0, 1, lower.size - 1):
                 bad[r] = np.isfinite(values[r])
-        # Columns from each read row's step to the next one's (rows need not be evenly spaced);
-        # the last one is as wide as the interval before it, or reaches the end of the run.
         gap = int(np.median(np.diff(steps))) if len(steps) > 1 else 1
         last = steps[-1] + (min(gap, end - steps[-1]) if end is not None and end > steps[-1] else gap)
-        x_edges = np.append(steps[edges[:-1]], last).astype(np.float64)
-        extent = (float(x_edges[0]), float(x_edges[-1]))
+        extent = (float(steps[0]), float(last))
+        if len(edges) - 1 == len(steps) and len(steps) > 1:
+            # Each histogram a narrow column at the step it was taken, background between: a
+            # sample is not drawn as if it held until the next one.
+            x_edges, values, bad = _at_their_steps(np.asarray(steps, dtype=np.float64), values, bad)
+        else:  # buckets of many samples: each column from its first sample to the next bucket's
+            x_edges = np.append(steps[edges[:-1]], last).astype(np.float64)
         cmap = plots.matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -175,7 +191,7 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
         ax_.grid(False)
         ax_.set_title(title)
         ax_.set_xlabel("step")
-        for step, severity, _ in marks:
+        for step, severity, *_ in marks:
             ax_.axvline(step, color=plots.SEVERITY_COLORS.get(severity, "gray"), ls=":", lw=1.4)
         ax_.set_xlim(extent[0], extent[1])
         plots._step_ticks(ax_)

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 
 from ..analyzer.restarts import rerun_losses, restart_marks
-from . import plots, schedule
+from . import layer_plots, plots, schedule
 from .context import Context, figure, no_figure, read_or_none
 from .model import Figure
 
@@ -70,8 +70,11 @@ def _grad_heatmap(ctx: Context) -> Figure:
         warnings.simplefilter("ignore", RuntimeWarning)
         # Layer groups (rows), when there are too many to show one each.
         row_edges = plots.bucket_edges(len(names), HEATMAP_ROWS)
+        # A cell is exactly 0 when every finite norm in it is 0 (and none is NaN/Inf).
+        zb = np.fmax.reduceat(g["max"], row_edges[:-1], axis=1) == 0
         vb = np.fmax.reduceat(vb, row_edges[:-1], axis=1)
         nb = np.logical_or.reduceat(nb, row_edges[:-1], axis=1)
+        zb &= ~nb
     labels = [names[a] if b - a == 1 else f"{names[a]} (+{b - a - 1})" for a, b in zip(row_edges[:-1], row_edges[1:])]
     x_edges = np.append(steps[edges[:-1]], steps[-1] + 1).astype(float)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -79,8 +82,8 @@ def _grad_heatmap(ctx: Context) -> Figure:
     kind = "weight matrices and kernels" if len(names) < len(rt.param_names) or all(
         len(s) >= 2 for s in rt.param_shapes) else "parameters"
     caption = (f"log10 of the gradient L2 norm of each of the {len(names):,} {kind} (rows, in "
-               f"definition order: input side at the top) at each step (columns). Red: NaN/Inf; grey: "
-               f"no gradient, or exactly zero.")
+               f"definition order: input side at the top) at each step (columns). Red: NaN/Inf; black: "
+               f"exactly zero; light grey: no gradient (the parameter took no part in the backward).")
     if ctx.marks(rt.rank):
         caption += " Dotted vertical lines mark the findings' steps."
     if len(edges) - 1 < len(steps):
@@ -89,8 +92,8 @@ def _grad_heatmap(ctx: Context) -> Figure:
         caption += " Each row is the largest norm over a group of consecutive tensors, named by its first."
     n_rows = len(labels)
     height = float(np.clip(1.1 + 0.14 * n_rows, 2.4, 7.5))
-    return figure(title, caption, plots.plot_heatmap, logv.T, labels, x_edges, nonfinite=nb.T,
-                  cbar_label="log10 gradient L2 norm", marks=ctx.marks(rt.rank, labels=False), height_in=height)
+    return figure(title, caption, layer_plots.plot_heatmap, logv.T, labels, x_edges, nonfinite=nb.T, zero=zb.T,
+                  empty_label="no gradient", cbar_label="log10 gradient L2 norm", marks=ctx.marks(rt.rank, labels=False), height_in=height)
 
 
 def _update_ratios(ctx: Context) -> Figure:
@@ -121,9 +124,28 @@ def _update_ratios(ctx: Context) -> Figure:
     caption += ("; thick: the tensors an update_ratio finding names." if named else ".")
     if upd.attrs.get("envelope"):
         caption += " A long run: each bucket of samples is drawn as its largest and its smallest value."
+    caption += _why_ratios_stop(ctx, rt, x, np.isfinite(mid))
     caption += " Dotted vertical lines mark the findings' steps (see the timeline)." if ctx.marks(rt.rank) else ""
     return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="update / weight",
                   hlines=hlines, marks=ctx.marks(rt.rank, labels=False), xspan=ctx.span(rt))
+
+
+def _why_ratios_stop(ctx: Context, rt, x: np.ndarray, finite: np.ndarray) -> str:
+    """A sentence when the lines stop well before the run does: the weights or gradients went
+    NaN/Inf (no ratio means anything then), or the samples simply ended."""
+    span = ctx.span(rt)
+    if not finite.any() or span is None or len(x) < 2:
+        return ""
+    last = int(x[finite][-1])
+    interval = float(np.median(np.diff(x)))
+    if span[1] - last <= 2 * interval:
+        return ""
+    d = rt.digest
+    bad = np.flatnonzero(d.grad_nonfinite | d.param_nonfinite)
+    if bad.size and int(rt.step_index[bad[0]]) <= last + 2 * interval:
+        return (f" The lines stop at step {last:,}: from step {int(rt.step_index[bad[0]]):,} the gradients or "
+                f"weights held NaN/Inf, and a ratio of those means nothing.")
+    return f" The last sample is at step {last:,} (samples are taken within a time budget: Recorder option update_ratio_every)."
 
 
 def _memory(ctx: Context) -> Figure:
@@ -142,9 +164,14 @@ def _memory(ctx: Context) -> Figure:
         return no_figure(title, "No memory was recorded.")
     caption = ("Memory per step, in MiB: the process's resident memory and, on a GPU, the CUDA "
                "allocator's allocated and reserved bytes.")
+    live = ctx.focus.columns["live_tensors"]
+    own = live.index.to_numpy()[live.to_numpy() >= 0]
+    if own.size:
+        caption += (" Grey ticks on the bottom edge: the steps the recorder took its census of live tensors; "
+                    "its own work there can raise resident memory by a few MiB, which the process may keep.")
     if ctx.marks():
         caption += " Dotted vertical lines mark the findings' steps (see the timeline)."
-    return figure(title, caption, plots.plot_memory, series, marks=ctx.marks(labels=False))
+    return figure(title, caption, plots.plot_memory, series, marks=ctx.marks(labels=False), own_steps=own)
 
 
 def _step_time(ctx: Context) -> Figure:
@@ -169,7 +196,7 @@ def _timeline(ctx: Context) -> Figure:
         if f.where and not where:
             where = "(model)"
         label = f.kind + (f" · {where}" if where else "") + (f" · rank {f.rank}" if multi and f.rank is not None else "")
-        events.append((label, int(f.step), f.severity))
+        events.append((label, int(f.step), f.severity, ctx.marker(f.kind)))
     ends = [e[1] for e in events] + [int(rt.step_index[i]) for rt in ctx.trace.ranks.values()
                                      if rt.n_steps for i in (0, -1)]
     lo, hi = min(ends), max(ends)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import matplotlib
 import numpy as np
 import pandas as pd
-from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -44,7 +43,10 @@ _RC = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsiz
        "axes.spines.top": False, "axes.spines.right": False,
        "text.usetex": False}  # a user's matplotlibrc may set it: LaTeX would choke on names (_, #, %)
 
-Mark = tuple[int, str, str]  # (step, severity, label): a vertical line at a finding's step
+Mark = tuple[int, str, str, str]  # (step, severity, label, marker): a vertical line at a finding's step
+# Each finding kind's marker, on the top edge of a figure's line at its step and in the timeline:
+# findings that share a step or a colour are still told apart.
+MARKERS = ("D", "o", "s", "^", "v", "P", "X", "*", "h", "<", ">", "p")
 
 
 @dataclass(frozen=True)
@@ -117,20 +119,25 @@ def plot_lines(lines: Sequence[Line], ax, *, log: bool = False, ylabel: str = ""
                nonfinite_label: str = "went NaN/Inf") -> None:
     """Lines over steps. Lines with ``emphasis`` are thick and coloured, the others thin, in a
     sequential colormap (early layers dark) or grey beside emphasised ones. NaN/Inf (and, on a log
-    scale, values <= 0) leave gaps. ``hlines``: (y, label, colour, style); ``marks``: vertical lines
+    scale, negative values) leave gaps; on a log scale an exact 0 is a triangle on the bottom edge,
+    in its line's colour, not a gap (a gradient that is exactly zero is news). ``hlines``: (y, label, colour, style); ``marks``: vertical lines
     at findings' steps; ``nonfinite_at``: (step, label) red crosses on the top edge, where a line
     went NaN/Inf."""
     emphasised = [ln for ln in lines if ln.emphasis]
     others = [ln for ln in lines if not ln.emphasis]
     seq = matplotlib.colormaps["viridis"](np.linspace(0, 0.85, max(len(others), 1)))
+    drawn = []
     for i, ln in enumerate(others):
         color = ln.color or ("#9e9e9e" if emphasised else seq[i])
         _line(ax, ln, log, color, ln.width or (0.8 if emphasised else 1.1), zorder=2)
+        drawn.append((ln, color))
     for i, ln in enumerate(emphasised):
         color = ln.color or EMPHASIS_COLORS[i % len(EMPHASIS_COLORS)]
         _line(ax, ln, log, color, ln.width or 1.8, zorder=3)
+        drawn.append((ln, color))
     if log and _has_data(ax):
         ax.set_yscale("log")
+        _zeros_on_bottom_edge(ax, drawn)
     for y, label, color, style in hlines:
         if not log or y > 0:
             ax.axhline(y, color=color, ls=style, lw=1.1, label=_label(label), zorder=1)
@@ -177,74 +184,12 @@ def plot_loss(losses: dict[str, pd.Series], ax, marks: Sequence[Mark] = (),
                nonfinite_at=nonfinite_at)
 
 
-def plot_heatmap(values: np.ndarray, row_labels: Sequence[str], x_edges: np.ndarray, ax, *,
-                 nonfinite: np.ndarray | None = None, cbar_label: str = "",
-                 marks: Sequence[Mark] = ()) -> None:
-    """A rows x step-buckets matrix on a colour scale (``values`` already log10; NaN: nothing
-    recorded, light grey); ``nonfinite`` cells (NaN/Inf) in red. ``x_edges``: the first step of
-    each column and the end of the last."""
-    values = np.asarray(values, dtype=np.float64)
-    n_rows = values.shape[0]
-    extent = (float(x_edges[0]), float(x_edges[-1]), n_rows - 0.5, -0.5)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#eceff1")
-    finite = values[np.isfinite(values)]
-    vmin, vmax = (np.percentile(finite, 0.5), np.percentile(finite, 99.9)) if finite.size else (0.0, 1.0)
-    if vmax <= vmin:
-        vmin, vmax = vmin - 0.5, vmax + 0.5
-    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap,
-                   extent=extent, vmin=vmin, vmax=vmax)
-    if nonfinite is not None and nonfinite.any():
-        ax.imshow(np.ma.masked_where(~nonfinite, np.ones_like(values)), aspect="auto",
-                  interpolation="nearest", cmap=ListedColormap([NONFINITE_COLOR]), extent=extent,
-                  vmin=0, vmax=1)
-        ax.plot([], [], "s", color=NONFINITE_COLOR, label="NaN/Inf")
-    cbar = ax.figure.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
-    cbar.set_label(cbar_label)
-    ax.grid(False)
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels([_label(r, 34) for r in row_labels], fontsize=6 if n_rows > 24 else 7)
-    for step, severity, label in marks:
-        ax.axvline(step, color=SEVERITY_COLORS.get(severity, "gray"), ls=":", lw=1.4)
-    ax.set_xlim(extent[0], extent[1])
-    ax.set_xlabel("step")
-    _step_ticks(ax)
-    if nonfinite is not None and nonfinite.any():
-        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, borderaxespad=0.2)
-
-
-def plot_profile(names: Sequence[str], values: np.ndarray, groups: Sequence[str], ax, *,
-                 ylabel: str, hlines=(), group_colors: dict[str, str] | None = None) -> None:
-    """One bar per layer in definition order (log scale), coloured by group ("early", "late", ...)."""
-    colors = group_colors or {}
-    x = np.arange(len(names))
-    v = _positive_or_nan(np.asarray(values, dtype=np.float64))
-    seen = set()
-    for g in dict.fromkeys(groups):
-        sel = np.array([gg == g for gg in groups])
-        ax.bar(x[sel], np.nan_to_num(v[sel], nan=0.0), color=colors.get(g, "#90a4ae"),
-               label=g if g not in seen else None, width=0.8)
-        seen.add(g)
-    if np.isfinite(v).any():
-        ax.set_yscale("log")
-    for y, label, color, style in hlines:
-        if y > 0:
-            ax.axhline(y, color=color, ls=style, lw=1.1, label=_label(label))
-    ax.set_xlim(-0.6, len(names) - 0.4)
-    if len(names) <= 40:
-        ax.set_xticks(x)
-        ax.set_xticklabels([_label(n, 28) for n in names], rotation=60, ha="right", fontsize=6.5)
-    else:
-        ax.set_xlabel("weight tensor, in definition order (index)")
-    ax.set_ylabel(ylabel)
-    ax.grid(axis="x", visible=False)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
-
-
 def plot_memory(series: dict[str, tuple[np.ndarray, np.ndarray]], ax, *, fit: Line | None = None,
                 census: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                marks: Sequence[Mark] = (), xspan=None) -> None:
+                marks: Sequence[Mark] = (), xspan=None, own_steps: np.ndarray | None = None) -> None:
     """Memory in MiB over steps, one line per series; ``fit`` dashed; ``census`` (steps, live
-    tensors, of which holding a graph) as markers on a second axis."""
+    tensors, of which holding a graph) as markers on a second axis; ``own_steps``, steps of the
+    recorder's own census, as grey ticks on the bottom edge (its work, not the user's)."""
     lines = [Line(label, x, y) for label, (x, y) in series.items()]
     if fit is not None:
         lines.append(fit)
@@ -255,6 +200,9 @@ def plot_memory(series: dict[str, tuple[np.ndarray, np.ndarray]], ax, *, fit: Li
             i = int(np.nanargmax(y))
             lines.append(Line(f"peak {y[i]:,.0f} MiB at step {int(x[i]):,}", np.asarray([x[i]]),
                               np.asarray([y[i]]), color="black", style="none", marker="*", width=0))
+    if own_steps is not None and len(own_steps):
+        ax.scatter(own_steps, np.zeros(len(own_steps)), transform=ax.get_xaxis_transform(), marker="|", s=40,
+                   color="#9e9e9e", clip_on=False, zorder=4, label="the recorder's census")
     plot_lines(lines, ax, ylabel="MiB", marks=marks, xspan=xspan, legend=census is None)
     if census is not None:
         steps, n, g = census
@@ -316,13 +264,13 @@ def plot_stacked(x: np.ndarray, layers: dict[str, np.ndarray], ax, *, ylabel: st
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
 
 
-def plot_timeline(events: Sequence[tuple[str, int, str]], ax, *, xspan: tuple[float, float]) -> None:
-    """One row per finding (label, step, severity), a marker at its first step."""
+def plot_timeline(events: Sequence[tuple[str, int, str, str]], ax, *, xspan: tuple[float, float]) -> None:
+    """One row per finding (label, step, severity, marker), its kind's marker at its first step."""
     n = len(events)
-    for i, (label, step, severity) in enumerate(events):
+    for i, (label, step, severity, marker) in enumerate(events):
         color = SEVERITY_COLORS.get(severity, "gray")
         ax.hlines(i, xspan[0], step, color="#e0e0e0", lw=1)
-        ax.plot([step], [i], "D", color=color, ms=6)
+        ax.plot([step], [i], marker, color=color, ms=6)
         ax.annotate(f"{step:,}", (step, i), xytext=(6, 0), textcoords="offset points", va="center",
                     fontsize=6.5, color="#424242")
     ax.set_yticks(range(n))
@@ -330,7 +278,7 @@ def plot_timeline(events: Sequence[tuple[str, int, str]], ax, *, xspan: tuple[fl
     ax.set_ylim(n - 0.5, -0.5)
     for sev, color in SEVERITY_COLORS.items():
         if any(e[2] == sev for e in events):
-            ax.plot([], [], "D", color=color, label=sev)
+            ax.plot([], [], "s", color=color, label=sev)
     ax.grid(axis="y", visible=False)
     _step_axis(ax, xspan, [], "step")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
@@ -364,15 +312,33 @@ def _line(ax, ln: Line, log: bool, color, width: float, zorder: int) -> None:
             label=_label(ln.label, LINE_LABEL_CHARS) if ln.label else None, zorder=zorder)
 
 
+def _zeros_on_bottom_edge(ax, drawn) -> None:
+    """Exact zeros of lines on a log scale, as triangles on the bottom edge (one legend entry)."""
+    label = "exactly 0 (bottom edge)"
+    for ln, color in drawn:
+        x = np.asarray(ln.x, dtype=np.float64)
+        zero = np.asarray(ln.y, dtype=np.float64) == 0
+        if not zero.any():
+            continue
+        xs = x[zero]
+        if xs.size > MAX_POINTS:  # a long run of zeros: evenly spread, its ends kept
+            xs = xs[np.unique(np.linspace(0, xs.size - 1, MAX_POINTS).astype(int))]
+        ax.scatter(xs, np.zeros(xs.size), transform=ax.get_xaxis_transform(), marker="v", s=16,
+                   color=color, clip_on=False, zorder=4, label=label)
+        label = None
+
+
 # More marks than this are drawn without legend entries (a legend taller than the figure).
 MAX_MARK_LABELS = 8
 
 
 def _mark_steps(ax, marks: Sequence[Mark]) -> None:
     labelled = len(marks) <= MAX_MARK_LABELS
-    for step, severity, label in marks:
-        ax.axvline(step, color=SEVERITY_COLORS.get(severity, "gray"), ls=":", lw=1.4,
-                   label=_label(label, 32) if label and labelled else None, zorder=1)
+    for step, severity, label, marker in marks:
+        color = SEVERITY_COLORS.get(severity, "gray")
+        ax.axvline(step, color=color, ls=":", lw=1.4, label=_label(label, 32) if label and labelled else None, zorder=1)
+        ax.scatter([step], [1.0], transform=ax.get_xaxis_transform(), marker=marker, s=22, color=color,
+                   clip_on=False, zorder=5)
 
 
 def _step_axis(ax, xspan, step_arrays: Sequence[np.ndarray], xlabel: str) -> None:

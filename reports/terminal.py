@@ -175,9 +175,11 @@ def _rank_lines(trace: Trace, rt) -> Iterator[str]:
     for line in attempt_lines(trace, rt.rank):  # a restarted rank: its attempts, one timeline
         yield f"  {_text(line)}"
     yield f"  model        {shorten(m.get('model_class', '?'), TITLE_CHARS)}, {m.get('n_parameters', 0):,} parameters"
-    yield (f"  recorded     {len(rt.param_names)} parameter tensors and {len(rt.module_names)} module "
-           f"outputs every step; activation statistics at {len(act)} steps{_every(act)}; "
-           f"update ratios at {len(upd)} steps{_every(upd)}")
+    census = rt.columns["live_tensors"].to_numpy() if rt.n_steps else np.zeros(0)
+    yield (f"  recorded     every step: loss, lr, time split, memory, gradient and weight norms of "
+           f"{len(rt.param_names)} parameter tensors; on {len(act)} watched steps{_every(act)}: the outputs "
+           f"of {len(rt.module_names)} modules and their statistics; update ratios at {len(upd)} "
+           f"steps{_every(upd)}; a census of live tensors at {int((census >= 0).sum())} steps")
     pw = rt.profile_windows
     if len(pw):
         spans = ", ".join(f"{int(a)}-{int(b)}" for a, b in zip(pw["step_start"][:8], pw["step_end"][:8]))

@@ -39,16 +39,18 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
     med[~np.isfinite(y)] = np.nan  # a median over the finite losses left would hide the blow-up
     best = np.fmin.accumulate(np.where(np.isnan(med), np.inf, med))
     best[~np.isfinite(best)] = np.nan
+    bad = ev.get("first_nonfinite_loss_step")
+    if bad is not None:  # the best so far ends where the loss did: nothing was learnt after a NaN
+        best[loss.index.to_numpy() >= bad] = np.nan
     span, note = ctx.window(rt, f.step)
     idx = loss.index
     smoothed = rows_between(pd.DataFrame({"m": med, "b": best}, index=idx), span)
     x = smoothed.index.to_numpy()
     extra = [plots.Line("best so far", x, smoothed["b"].to_numpy(), color="#2e7d32", style="--", width=1.2)]
-    bad = ev.get("first_nonfinite_loss_step")
     caption = (f"Loss per step (grey), its trailing median over {window} steps (thick) and the lowest "
                f"median so far (green dashed). The dotted line marks {step(f.step)}, where the loss "
                f"rose far above its best and stayed up")
-    caption += (f"; it went NaN/Inf at {step(bad)}, where the line stops." if bad is not None else ".") + note
+    caption += (f"; it went NaN/Inf at {step(bad)}, where the lines stop." if bad is not None else ".") + note
     return figure(title, caption, plots.plot_loss, {"loss": rows_between(loss.to_frame(), span)["loss"]},
                   smoothed={f"median of {window}": smoothed["m"]}, extra=extra,
                   marks=ctx.marks(only=f), xspan=span)

@@ -60,8 +60,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
         caption += f" {left:,} other weight tensors, closer to 1e-3, are not drawn."
     still = [c for c in mine if not (upd[c].to_numpy(dtype=float) > 0).any()]
     if still:
-        caption += (f" Not visible on the log scale, their ratio being exactly 0 (the weights did not "
-                    f"change at all): {', '.join(still[:5])}{' …' if len(still) > 5 else ''}.")
+        caption += (f" Exactly 0 (the weights did not change at all), drawn as triangles on the bottom "
+                    f"edge: {', '.join(still[:5])}{' …' if len(still) > 5 else ''}.")
     return figure(title, caption, plots.plot_lines, lines, log=True, ylabel="update / weight",
                   hlines=hlines, marks=ctx.marks(only=f), xspan=ctx.span(rt))
 

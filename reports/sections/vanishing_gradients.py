@@ -8,7 +8,7 @@ import numpy as np
 from ...analyzer.detectors import vanishing_gradients
 from ...analyzer.findings import Finding
 from ...analyzer.trace.gradients import median_grad_rms, weight_tensors
-from .. import plots
+from .. import layer_plots, plots
 from ..context import Context, figure, no_figure, read_or_none
 from ..model import Figure, Text
 from ._text import name, num, step, text
@@ -64,7 +64,7 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
                f"detector compares the smallest of the early third with the median of the last "
                f"third: below the red line, the early layers barely learn.{cut}")
     colors = {"early third (judged)": "#1565c0", "middle": "#b0bec5", "last third (reference)": "#43a047"}
-    return figure(title, caption, plots.plot_profile, names, med, groups, ylabel="gradient RMS",
+    return figure(title, caption, layer_plots.plot_profile, names, med, groups, ylabel="gradient RMS",
                   hlines=hlines, group_colors=colors, height_in=3.2)
 
 

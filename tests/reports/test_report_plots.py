@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from torchautopsy.reports import plots
+from torchautopsy.reports import layer_plots, plots
 
 
 def test_downsample_keeps_spikes_and_gaps():
@@ -62,11 +62,11 @@ def test_nonfinite_and_empty_data_still_draw():
              plots.Line("dead", steps, np.full(6, np.nan))]
     loss = pd.Series([np.nan] * 6, index=pd.Index(steps, name="step"))
     for png in (
-        plots.render_png(plots.plot_lines, lines, log=True, marks=[(2, "error", "nonfinite")],
+        plots.render_png(plots.plot_lines, lines, log=True, marks=[(2, "error", "nonfinite", "D")],
                          nonfinite_at=[(1.0, "w")]),
         plots.render_png(plots.plot_lines, [], log=True),
-        plots.render_png(plots.plot_loss, {"loss": loss}, marks=[(1, "warning", "x")]),
-        plots.render_png(plots.plot_heatmap, np.full((2, 3), np.nan), ["a", "b"], np.arange(4.0),
+        plots.render_png(plots.plot_loss, {"loss": loss}, marks=[(1, "warning", "x", "o")]),
+        plots.render_png(layer_plots.plot_heatmap, np.full((2, 3), np.nan), ["a", "b"], np.arange(4.0),
                          nonfinite=np.eye(2, 3, dtype=bool)),
         plots.render_png(plots.plot_stacked, steps, {"a": np.full(6, np.nan), "b": np.ones(6)}, ylabel="ms"),
     ):
