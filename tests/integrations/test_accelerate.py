@@ -1,4 +1,4 @@
-"""Issue 21: Accelerate has no callbacks; the README's recipe (a Recorder in the user's own loop)
+"""Issue 21: Accelerate has no callbacks; the recipe of docs/recording.md (a Recorder in the user's own loop)
 is run here as written, with the real Accelerator on CPU and gradient accumulation: one row per
 optimizer step with the mean loss of its micro-batches, a NaN found at its step and module, and
 the black box of a plain loop (accelerate's optimizer wrapper steps the torch optimizer, whose
@@ -47,7 +47,7 @@ def test_the_readme_recipe_records_one_row_per_optimizer_step():
         computed.append(loss.detach().clone())
         return loss
 
-    # -- the README's recipe, as written there -------------------------------------------------
+    # -- docs/recording.md's recipe, as written there -------------------------------------------------
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     with Recorder(accelerator.unwrap_model(model), run) as rec:    # one rank{N}.h5 per process
