@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .functional import compiling
+from .profiler import own_work
 from .replay import replay_step
 from .tensors import blob_task, host_copy, state_tensors
 
@@ -99,7 +100,8 @@ class BlackBox:
                 self.inputs.append(((args[0],), {}))
             return None
         try:  # never raise into the model's forward
-            self._observe(args, kwargs)
+            with own_work():
+                self._observe(args, kwargs)
         except Exception as e:
             self.on_error(e)
         return None

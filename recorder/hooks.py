@@ -36,6 +36,7 @@ from torch import nn
 from .functional import compiling
 from .histograms import histogram
 from .loss_graph import mark_outputs
+from .profiler import own_work
 from .stats import Packer, activation_stats, combine_stats, floating_tensors
 
 
@@ -130,7 +131,8 @@ class ModuleWatcher:
         self.t_forward_end = time.perf_counter()
         if torch.is_grad_enabled():  # a training forward: its outputs, for a loss gone NaN (loss_graph.py)
             try:
-                self.out_refs = mark_outputs(output)
+                with own_work():
+                    self.out_refs = mark_outputs(output)
             except Exception as e:  # never into the training's forward
                 self.out_refs = []
                 self._on_error(e)
@@ -210,7 +212,8 @@ class ModuleWatcher:
             # tensor, so none records a graph, and the context manager costs ~2 us a call)
             if (self.check_no_grad or torch.is_grad_enabled()) and len(self._calls) < self.max_calls:
                 try:
-                    ins = [self._check(x) for x in floating_tensors(args)]
+                    with own_work():
+                        ins = [self._check(x) for x in floating_tensors(args)]
                 except Exception as e:  # never raise into the model's forward
                     self._on_error(e)
             self.stack.append([index, 0, 0, ins])
@@ -231,41 +234,47 @@ class ModuleWatcher:
             if ins is None:  # evaluation under no_grad (not recorded), or too many calls
                 return
             try:
-                outs = floating_tensors(output)
-                if not outs:
-                    return
-                self._calls.append((index, ins, [self._check(x) for x in outs]))
-                if index == 0 and torch.is_grad_enabled():
-                    for x in outs[:4]:
-                        if x.requires_grad:
-                            x.register_hook(self._on_output_grad)  # (observes; returns None)
-                if not self._shape_seen[index]:
-                    self._shape_seen[index] = True
-                    # Its first 4 outputs' shapes, dtypes and the op that made each (e.g.
-                    # ReluBackward0): tensors the census finds kept are matched to their maker.
-                    self._new_shapes.extend({
-                        "module": index, "shape": "[" + ", ".join(map(str, x.shape)) + "]",
-                        "dtype": str(x.dtype).replace("torch.", ""),
-                        "grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else ""} for x in outs[:4])
-                if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
-                    self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
-                if self.sample_activations:
-                    self._acts.setdefault(index, []).append(self._stats_row(outs[0]))
-                if self.sample_histograms and index in self.hist_modules:
-                    h = histogram(outs[0])
-                    prev = self._hists.get(index)
-                    self._hists[index] = h if prev is None else prev + h.to(prev.device)
-                if self.sample_tensors and index in self.sample_modules and index not in self._sampled:
-                    self._sampled.add(index)  # the first call of the step
-                    self.samples.on_output(self.sample_modules[index], outs[0])
+                with own_work():
+                    self._on_output(index, ins, output)
             except Exception as e:  # never raise into the model's forward
                 self._on_error(e)
 
         return hook
 
+    def _on_output(self, index: int, ins: list[int], output) -> None:
+        """A watched call's outputs: checked, their statistics and histograms, samples."""
+        outs = floating_tensors(output)
+        if not outs:
+            return
+        self._calls.append((index, ins, [self._check(x) for x in outs]))
+        if index == 0 and torch.is_grad_enabled():
+            for x in outs[:4]:
+                if x.requires_grad:
+                    x.register_hook(self._on_output_grad)  # (observes; returns None)
+        if not self._shape_seen[index]:
+            self._shape_seen[index] = True
+            # Its first 4 outputs' shapes, dtypes and the op that made each (e.g.
+            # ReluBackward0): tensors the census finds kept are matched to their maker.
+            self._new_shapes.extend({
+                "module": index, "shape": "[" + ", ".join(map(str, x.shape)) + "]",
+                "dtype": str(x.dtype).replace("torch.", ""),
+                "grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else ""} for x in outs[:4])
+        if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
+            self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
+        if self.sample_activations:
+            self._acts.setdefault(index, []).append(self._stats_row(outs[0]))
+        if self.sample_histograms and index in self.hist_modules:
+            h = histogram(outs[0])
+            prev = self._hists.get(index)
+            self._hists[index] = h if prev is None else prev + h.to(prev.device)
+        if self.sample_tensors and index in self.sample_modules and index not in self._sampled:
+            self._sampled.add(index)  # the first call of the step
+            self.samples.on_output(self.sample_modules[index], outs[0])
+
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         try:
-            self._out_grads.append((~torch.isfinite(grad.detach())).any().to(torch.float32))
+            with own_work():
+                self._out_grads.append((~torch.isfinite(grad.detach())).any().to(torch.float32))
         except Exception as e:  # never raise into the backward pass
             self._on_error(e)
 

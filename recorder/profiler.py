@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gzip
-import json
 import os
 import sys
 import tempfile
@@ -33,6 +32,10 @@ import weakref
 
 import numpy as np
 import torch
+
+from .functional import compiling
+from .profile_ops import op_table, window_events
+from .schema import OWN_WORK_RANGE
 
 # The process's one profiler, shared by every Recorder: who has it, and who waits for it.
 _LOCK = threading.RLock()  # reentrant: a SIGTERM handler closing a Recorder may land inside begin()
@@ -44,6 +47,18 @@ _passes = 0  # step boundaries where the profiler was free but the oldest waiter
 _HEAD_PATIENCE = 16
 _OTHER, _OWN = "another Recorder's profiler window was open or due first", "the job's own torch.profiler was running"
 _NOTED = 8  # deferred windows listed in the trace's note (all are counted)
+
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def own_work():
+    """A profiler range around the recorder's own work while one of its windows is open (nothing
+    otherwise: a range costs ~2 us): op_table() folds what runs inside it into one row, so the
+    recorder's norms and copies are not listed as the job's slowest operators."""
+    if compiling() or _owner is None:  # (compiling() first: Dynamo must not guard on _owner)
+        return _NO_RANGE
+    return torch.profiler.record_function(OWN_WORK_RANGE)
 
 
 def _job_profiling() -> bool:
@@ -285,103 +300,3 @@ def _task(prof, window: int, start: int, end: int, due: int):
         }
 
     return run
-
-
-_CPU = ("cpu_op", "user_annotation")
-_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def window_events(prof, trace_json: bytes) -> list[tuple]:
-    """A window's events as tuples: ("cpu", name, thread, start_us, dur_us, link), ("dev", name,
-    dur_us, link) for a kernel or copy, ("mem", thread, time_us, bytes, on_device); `link` ties a
-    device event to the CPU operator that launched it.
-
-    From the profiler's own kineto events (~30 ms for the small transformer's 11k events); if
-    this torch lacks them, from the exported Chrome trace (json.loads alone: ~230 ms)."""
-    try:
-        out = []
-        for e in prof.profiler.kineto_results.events():
-            name = e.name()
-            on_cpu = e.device_type() == torch.autograd.DeviceType.CPU
-            if name == "[memory]":
-                out.append(("mem", e.start_thread_id(), e.start_ns() / 1e3, int(e.nbytes()), not on_cpu))
-            elif on_cpu:
-                if not e.is_python_function():
-                    out.append(("cpu", name, e.start_thread_id(), e.start_ns() / 1e3, e.duration_ns() / 1e3,
-                                e.correlation_id()))
-            else:
-                out.append(("dev", name, e.duration_ns() / 1e3, e.linked_correlation_id()))
-        return out
-    except Exception:  # (a private API: fall back on the documented export)
-        pass
-    out = []
-    for e in json.loads(trace_json).get("traceEvents", []):
-        cat, ph, args = e.get("cat"), e.get("ph"), e.get("args") or {}
-        if ph == "X" and cat in _CPU:
-            out.append(("cpu", str(e.get("name", "?")), e.get("tid"), float(e.get("ts", 0.0)),
-                        float(e.get("dur", 0.0)), args.get("External id")))
-        elif ph == "X" and cat in _DEVICE:
-            out.append(("dev", str(e.get("name", "?")), float(e.get("dur", 0.0)), args.get("External id")))
-        elif ph == "i" and e.get("name") == "[memory]":
-            out.append(("mem", e.get("tid"), float(e.get("ts", 0.0)), int(args.get("Bytes", 0)),
-                        bool(args.get("Device Type", 0))))
-    return out
-
-
-def op_table(events: list[tuple]) -> list[dict]:
-    """Operators of a profiler window (window_events): calls, CPU time (self: without the
-    operators called inside; total), device time, memory allocated (self).
-
-    What torch.profiler's key_averages() gives (the same numbers on the small transformer), in
-    one sweep: key_averages() took 0.6-0.7 s per window there (measured). CPU operators nest
-    by time on their thread; a memory event counts for the innermost operator running then; a
-    kernel or copy on the device is its own row (its device time is its self time) and adds its
-    time to the operator that launched it."""
-    rows: dict[str, list] = {}
-
-    def row(name: str) -> list:
-        r = rows.get(name[:512])
-        if r is None:
-            r = rows[name[:512]] = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]  # calls, cpu self/total, dev self/total, mem
-        return r
-
-    cpu, launched, items = [], {}, []
-    for e in events:
-        if e[0] == "cpu":
-            items.append((str(e[2]), e[3], 0, -e[4], len(cpu)))
-            cpu.append(e)
-        elif e[0] == "dev":
-            r = row(e[1])
-            r[0] += 1
-            r[3] += e[2]
-            r[4] += e[2]
-            if e[3] is not None:
-                launched[e[3]] = launched.get(e[3], 0.0) + e[2]
-        else:
-            items.append((str(e[1]), e[2], 1, 0.0, e))
-    # One sweep per thread over operators (outer before inner at equal start) and memory events.
-    items.sort(key=lambda t: t[:4])
-    child = [0.0] * len(cpu)
-    stack: list[tuple[float, int]] = []  # (end, operator) of the operators open on this thread
-    tid = None
-    for t, ts, kind, neg_dur, k in items:
-        if t != tid:
-            tid, stack = t, []
-        while stack and stack[-1][0] <= ts:
-            stack.pop()
-        if kind == 0:
-            if stack:
-                child[stack[-1][1]] += -neg_dur
-            stack.append((ts - neg_dur, k))
-        elif stack:
-            r = row(cpu[stack[-1][1]][1])
-            r[6 if k[4] else 5] += k[3]
-    for k, e in enumerate(cpu):
-        r = row(e[1])
-        r[0] += 1
-        r[1] += max(0.0, e[4] - child[k])
-        r[2] += e[4]
-        r[4] += launched.get(e[5], 0.0) if e[5] is not None else 0.0
-    return [{"name": name, "calls": r[0], "cpu_self_us": r[1], "cpu_total_us": r[2], "device_self_us": r[3],
-             "device_total_us": r[4], "cpu_memory_bytes": r[5], "device_memory_bytes": r[6]}
-            for name, r in rows.items()]

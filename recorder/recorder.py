@@ -26,7 +26,7 @@ from .memory_probe import MemoryProbe
 from .nan_origin import NanOrigin
 from .param_stats import ParamStats
 from .planner import StepPlanner
-from .profiler import ProfilerWindows
+from .profiler import ProfilerWindows, own_work
 from .schedule import OptimizerSchedule
 from .schema import table_layout
 from .step_clock import StepClock
@@ -185,13 +185,14 @@ class Recorder:
         if not self._active or not self.captures.armed:
             return None
         try:
-            bad = self.norms.judge(optimizer, self._step)
-            if bad:  # NaN/Inf gradients, not yet applied: the black box now
-                names = [self._param_names[i] for i in bad]
-                extra = {"n_params_affected": len(names), **self._replay()}
-                bb = self.captures.blackbox
-                self.captures.fire(bb.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
-                                              self._param_name_by_id, extra))
+            with own_work():
+                bad = self.norms.judge(optimizer, self._step)
+                if bad:  # NaN/Inf gradients, not yet applied: the black box now
+                    names = [self._param_names[i] for i in bad]
+                    extra = {"n_params_affected": len(names), **self._replay()}
+                    bb = self.captures.blackbox
+                    self.captures.fire(bb.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
+                                                  self._param_name_by_id, extra))
         except Exception as e:
             self._fail(e)
         return None
@@ -221,11 +222,13 @@ class Recorder:
     # -- observer of wrapped functions (functional.py) ---------------------------------------
     def on_activation(self, fn, args, kwargs, out) -> None:
         if self._active:
-            self.activity.on_activation(fn, args, kwargs, out)
+            with own_work():
+                self.activity.on_activation(fn, args, kwargs, out)
 
     def on_attention(self, fn, args, kwargs, out) -> None:
         if self._active:
-            self.attention.on_attention(fn, args, kwargs, out)
+            with own_work():
+                self.attention.on_attention(fn, args, kwargs, out)
 
     def on_data_wait(self, seconds: float) -> None:
         if self._active:
@@ -242,9 +245,10 @@ class Recorder:
                 self.activity.steps_watched += 1
             try:
                 t_called = time.perf_counter()
-                self._sched = self.schedule.end_step(self._step)
-                if not self.rows.plain(self._step, loss, t_called, self._watched, self._sched):
-                    self.rows.record(self._step, loss, t_called, self._watched, self._sched)
+                with own_work():
+                    self._sched = self.schedule.end_step(self._step)
+                    if not self.rows.plain(self._step, loss, t_called, self._watched, self._sched):
+                        self.rows.record(self._step, loss, t_called, self._watched, self._sched)
             except Exception as e:
                 self._fail(e)
             self.norms.entries = []

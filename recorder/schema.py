@@ -12,6 +12,9 @@ import numpy as np
 
 SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
+# The torch.profiler range around the recorder's own work inside a profiler window: the window's
+# operator table folds what runs inside it into one row of this name (profiler.py).
+OWN_WORK_RANGE = "torchautopsy.recorder"
 
 STR = h5py.string_dtype("utf-8")
 

@@ -10,6 +10,7 @@ from ..analyzer.export import describe_stored
 from ..analyzer.findings import Finding
 from ..analyzer.series import spacing
 from ..analyzer.trace import measured_rows
+from ..analyzer.trace.format import OWN_WORK_RANGE
 from .context import Context, read_or_none
 from .format import REPORT_NAME_CHARS, format_number, plural, shorten, shorten_words
 from .model import Recorded, Table
@@ -144,12 +145,15 @@ def profile_table(ctx: Context) -> Table | None:
     cols = ("operator", "calls", "self CPU ms / step", "share of CPU") + (("self device ms / step",) if dev else ())
     rows = []
     for r in ops.head(MAX_OPS).itertuples():
-        row = (shorten(r.name, REPORT_NAME_CHARS), f"{int(r.calls):,}",
+        name = (f"{OWN_WORK_RANGE} (the recorder's own work)" if r.name == OWN_WORK_RANGE
+                else shorten(r.name, REPORT_NAME_CHARS))
+        row = (name, f"{int(r.calls):,}",
                format_number(r.cpu_self_us / 1e3 / steps),
                f"{r.cpu_self_us / cpu_total:.0%}")
         rows.append(row + ((format_number(r.device_self_us / 1e3 / steps),) if dev else ()))
     caption = (f"torch.profiler window {w}, steps {int(last['step_start']):,}-{int(last['step_end']):,}: the "
-               f"{min(MAX_OPS, len(ops))} operators with the most self CPU time, per step. The whole window "
+               f"{min(MAX_OPS, len(ops))} operators with the most self CPU time, per step (what the recorder "
+               f"ran in the window is one row, {OWN_WORK_RANGE}). The whole window "
                f"opens in Perfetto: torchautopsy export RUN_DIR --profile OUT.json --window {w}.")
     return Table("Slowest operators" + (f" (rank {rt.rank})" if len(ctx.trace.ranks) > 1 else ""), caption,
                  cols, rows, (False,) + (True,) * (len(cols) - 1),

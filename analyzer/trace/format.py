@@ -16,6 +16,9 @@ from .safety import check_trace_file
 # elsewhere: not measured); activity windows say how many of their steps were watched.
 SCHEMA_VERSION = 2
 FORMAT_NAME = "torchautopsy-trace"
+# The row of a profiler window's operator table that holds the recorder's own work (its norms,
+# statistics and copies, folded into one: they are not the job's operators).
+OWN_WORK_RANGE = "torchautopsy.recorder"
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
 # A rank file still being built by the recorder (recorder/writer.py renames it when readable).

@@ -28,6 +28,7 @@ LEGACY = set()
 def test_constants_agree():
     assert schema.SCHEMA_VERSION == reader_format.SCHEMA_VERSION
     assert schema.FORMAT_NAME == reader_format.FORMAT_NAME
+    assert schema.OWN_WORK_RANGE == reader_format.OWN_WORK_RANGE
     assert resume.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
     for key in ("SNAPSHOT_KEYS", "SEGMENT_KEYS", "BLOCK_KEYS", "TRACE_KEYS", "FRAME_KEYS"):
         assert getattr(cuda_memory, key) == getattr(memory_snapshot, key), key

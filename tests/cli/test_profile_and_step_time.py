@@ -213,7 +213,7 @@ def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
 def test_the_operator_table_matches_torch_key_averages():
     """recorder/profiler.op_table (one sweep over the window's events, from kineto or from the
     exported Chrome trace) gives what torch's key_averages() gives, at a fraction of its cost."""
-    from torchautopsy.recorder.profiler import op_table, window_events
+    from torchautopsy.recorder.profile_ops import op_table, window_events
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -243,6 +243,37 @@ def test_the_operator_table_matches_torch_key_averages():
             assert r["cpu_self_us"] == pytest.approx(e.self_cpu_time_total, rel=0.01, abs=2 + 0.5 * e.count), name
             assert r["cpu_total_us"] == pytest.approx(e.cpu_time_total, rel=0.01, abs=2), name
             assert r["cpu_memory_bytes"] == pytest.approx(e.self_cpu_memory_usage, rel=0.01, abs=256), name
+
+
+def test_the_recorders_own_operators_are_one_labelled_row_of_a_profiler_window(tmp_path):
+    """In a window the recorder's norms, statistics and copies run inside its own profiler range:
+    the window's table has one row of that name, not the recorder's operators listed as the
+    job's (the model here calls no norm, aminmax or copy of its own), and the report labels it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    # The window covers steps 10-11; step 10 is watched (every 10th at first): hooks run too.
+    with Recorder(model, tmp_path / "run", profile_first=10, profile_steps=2, profile_every=1000) as rec:
+        for _ in range(14):
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            rec.step(loss=loss)
+    rt = load(tmp_path / "run").ranks[0]
+    ops = rt.profile_ops(0).set_index("name")
+    own = ops.loc["torchautopsy.recorder"]
+    assert own["calls"] >= 2 and own["cpu_self_us"] > 0
+    for theirs in ("aten::linalg_vector_norm", "aten::aminmax", "aten::_foreach_norm", "aten::stack", "aten::isfinite"):
+        assert theirs not in ops.index, theirs
+    for job in ("aten::addmm", "aten::relu", "aten::pow"):
+        assert job in ops.index, job
+    assert ops.loc["aten::addmm", "calls"] == 2 * 2  # 2 Linear layers x 2 steps: only the job's
+    html = tmp_path / "r.html"
+    r = run_cli("analyze", tmp_path / "run", "--html", html)
+    assert r.returncode == 0, r.stderr
+    assert "the recorder&#39;s own work" in html.read_text() or "the recorder's own work" in html.read_text()
 
 
 def test_the_steps_slowed_by_exporting_a_profiler_window_are_the_recorders_not_the_jobs(tmp_path):
