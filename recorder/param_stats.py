@@ -26,6 +26,7 @@ class ParamStats:
         self.norms = norms
         self.planner = planner
         self.hist_params = hist_params  # parameters whose histograms are taken (an even spread)
+        self.bad_histograms_taken = False  # the first bad step's (bad_step_histograms)
         self.unmeasured = np.full(len(params), -1.0)  # the "not measured" row, shared, read-only
         self.no_bad_grads = np.zeros(len(params), dtype=np.int64)
         self.unmeasured.flags.writeable = self.no_bad_grads.flags.writeable = False
@@ -76,11 +77,27 @@ class ParamStats:
                 pk.add("update_num", l2_norms(self._prev_weights))
         hist = histograms and bool(self.hist_params)
         if hist:
-            pk.add("hist_w", [histogram(sharding.local(self._params[i])) for i in self.hist_params])
-            pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
-                              else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
-                              for i in self.hist_params])
+            self._add_histograms(pk, grads)
         self._s = (has, present, cached, weights, update_den, hist)
+
+    def _add_histograms(self, pk: Packer, grads: list) -> None:
+        pk.add("hist_w", [histogram(sharding.local(self._params[i])) for i in self.hist_params])
+        pk.add("hist_g", [histogram(grads[i]) if grads[i] is not None and not grads[i].is_sparse
+                          else torch.full((N_BINS,), -1, dtype=torch.long, device=self._params[i].device)
+                          for i in self.hist_params])
+
+    def bad_step_histograms(self, host: dict) -> bool:
+        """The first bad step's weight and gradient histograms, if it was not a histogram step:
+        how many of each tensor's values went NaN/Inf, and how large the rest were, at the step
+        the black box fires (a second transfer, once a run; call under no_grad())."""
+        if self.bad_histograms_taken or not self.hist_params or self._s[5]:
+            return False
+        self.bad_histograms_taken = True
+        extra = Packer()
+        self._add_histograms(extra, list(map(self._grad_of, self._params)))
+        host.update(extra.fetch())
+        self._s = self._s[:5] + (True,)
+        return True
 
     def grads_nonfinite(self, host: dict) -> bool:
         """After the transfer: whether a gradient norm is NaN/Inf (the pre-hook's norms, if it

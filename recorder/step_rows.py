@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from .captures import trigger
@@ -89,8 +90,10 @@ class StepRows:
             if bad_step and not watched:
                 ps.measure_bad(host)
             param_row, grad_bad = ps.finish(host, step, watched or bad_step)
+            bad_hist = bad_step and not self.watcher.sample_histograms and ps.bad_step_histograms(host)
 
-        hist_act = self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else None
+        hist_act = (self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else
+                    np.full((len(self.watcher.hist_modules), N_BINS), -1) if bad_hist else None)  # (-1: not taken)
         mods = self.watcher.finish_step(host, len(self.watcher.names))
         self.loss_given = loss is not None
         if not watched and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:

@@ -160,6 +160,25 @@ def test_histograms_count_nan_and_inf(nan_run):
     assert lower.size == N_BINS and np.isinf(lower[POS_INF_BIN])
 
 
+def test_the_bad_step_gets_histograms_when_the_black_box_fires(tmp_path):
+    """With the default schedule (histograms every 100th step) the step where NaN is born is not
+    a histogram step; its weights and gradients are histogrammed anyway, once, as the black box
+    fires (module outputs were not hooked that step: their counts read 'not recorded')."""
+    torch.manual_seed(0)
+    model = Net()
+    run_dir = train(model, tmp_path / "run", 12, lambda s: _batch(s + 3), loss_fn=F.cross_entropy,
+                    optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))  # step 4 is BAD_STEP's batch
+    rt = load(run_dir).ranks[0]
+    assert rt.blackbox is not None and int(rt.blackbox["step"].iloc[0]) == BAD_STEP - 3
+    assert list(rt.histogram_steps) == [0, BAD_STEP - 3]  # step 0 as scheduled; the bad one; no later
+    steps, names, g = rt.histograms("grad")
+    assert g[1, names.index("fc1.weight"), NAN_BIN] > 0 and g[0, :, NAN_BIN].sum() == 0
+    _, wnames, w = rt.histograms("weight")
+    assert w[1, wnames.index("fc1.weight")].sum() == model.fc1.weight.numel()
+    _, _, act = rt.histograms("activation")
+    assert (act[1] == -1).all()
+
+
 def test_histogram_bins():
     x = torch.tensor([float("nan"), float("-inf"), float("inf"), 0.0, 1e-30, -1.0, 1.0, 1.5, 3.0, 1e30, -1e30],
                      dtype=torch.float32)
