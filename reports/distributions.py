@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+from matplotlib.colors import ListedColormap
 
 from ..analyzer.errors import TraceError
 from ..analyzer.findings import Finding, first_to_go_wrong
@@ -186,7 +187,7 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
                            vmin=-6, vmax=0, shading="flat")
             if bad.any():
                 ax_.pcolormesh(x_edges, y_edges, np.ma.masked_where(~bad, np.ones_like(values)),
-                               cmap=plots.ListedColormap([plots.NONFINITE_COLOR]), vmin=0, vmax=1, shading="flat")
+                               cmap=ListedColormap([plots.NONFINITE_COLOR]), vmin=0, vmax=1, shading="flat")
         ax_.set_ylim(y_edges[-1], y_edges[0])
         ax_.grid(False)
         ax_.set_title(title)

@@ -42,6 +42,7 @@ def test_sample_report(case):
             assert view.figure.png or "shows this one too" in view.figure.caption, (f.kind, view.figure.caption)
     captions = [fig.caption for fig in report.overview] + [v.figure.caption for v in report.findings if v.figure]
     assert not [c for c in captions if "could not be drawn" in c]
+    assert "could not be drawn" not in html  # nor any other figure (the value distributions)
     drawn = [fig for fig in report.overview if fig.png]
     assert len(drawn) >= 3  # loss, gradient heatmap, memory at least
     # (the first finding's figure is drawn twice: under the verdict, and with its finding)
