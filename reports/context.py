@@ -59,8 +59,9 @@ class Context:
                                               lambda rows: rt.param_stat(stat, rows=rows)))
 
     def module(self, rt: RankTrace, span: tuple[float, float] | None = None) -> pd.DataFrame:
+        """Steps x modules (labelled: the root is '(model)') of max |output|, as param()."""
         return self._cached((rt.rank, "module", span),
-                            lambda: _per_step(rt, "modules/output_absmax", rt.module_names, span,
+                            lambda: _per_step(rt, "modules/output_absmax", rt.module_labels, span,
                                               lambda rows: rt.module_stat(rows=rows)))
 
     def updates(self, rt: RankTrace) -> pd.DataFrame | None:

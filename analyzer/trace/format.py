@@ -19,6 +19,13 @@ FORMAT_NAME = "torchautopsy-trace"
 # The row of a profiler window's operator table that holds the recorder's own work (its norms,
 # statistics and copies, folded into one: they are not the job's operators).
 OWN_WORK_RANGE = "torchautopsy.recorder"
+# The root module's label in the per-module DataFrames and in reports: named_modules() names it
+# '' (and so do findings' `where`), which no reader sees as a column.
+ROOT_LABEL = "(model)"
+
+
+def module_label(name: str) -> str:
+    return name or ROOT_LABEL
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
 # A rank file still being built by the recorder (recorder/writer.py renames it when readable).

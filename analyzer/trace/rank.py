@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..errors import SchemaVersionError, TraceFormatError
 from . import schema, upgrade
-from .format import (ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
+from .format import (module_label, ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
                      UNMEASURED_IS_NEGATIVE,
                      _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .memory_tables import MemoryTables
@@ -71,6 +71,7 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
                     raise ValueError("params/shards is not one count >= 1 per parameter")
                 self.param_shards = shards
                 self.module_names = _strings(f["modules/name"])
+                self.module_labels = [module_label(n) for n in self.module_names]  # the frames' columns
                 self.module_types = _strings(f["modules/type"])
                 self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)
                 schema.check_step_table(path, f, _PER_STEP_TABLES, {"params": len(self.param_names),
@@ -133,24 +134,25 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors):
         return self._frame(data, self.step_index[idx], self.param_names, f"params/{stat}")
 
     def module_stat(self, stat: str = "output_absmax", rows=None) -> pd.DataFrame:
-        """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not called)."""
+        """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not measured:
+        not called, or the step not watched). The root module's column is '(model)'."""
         if stat not in MODULE_STATS:
             raise ValueError(f"unknown module statistic {stat!r}; one of {MODULE_STATS}")
         idx, data = self._read_rows(f"modules/{stat}", rows, self.n_steps)
-        return self._frame(data, self.step_index[idx], self.module_names, f"modules/{stat}")
+        return self._frame(data, self.step_index[idx], self.module_labels, f"modules/{stat}")
 
     def activation_stat(self, stat: str, rows=None) -> pd.DataFrame:
         """Sampled steps x modules: mean, std, absmax, zero_frac or nonfinite of each output
-        (``rows``: of the samples)."""
+        (``rows``: of the samples). The root module's column is '(model)'."""
         if stat not in ACTIVATION_STATS:
             raise ValueError(f"unknown activation statistic {stat!r}; one of {ACTIVATION_STATS}")
         steps = self._sampled_steps("activations", ACTIVATION_STATS)
         idx, data = self._read_rows(f"activations/{stat}", rows, len(steps))
-        return self._frame(data, steps[idx], self.module_names, f"activations/{stat}")
+        return self._frame(data, steps[idx], self.module_labels, f"activations/{stat}")
 
     def update_ratio(self, rows=None) -> pd.DataFrame:
         """Sampled steps x parameters: ||w_after - w_before|| / ||w_before|| of that step's update
-        (``rows``: of the samples)."""
+        (``rows``: of the samples). The root module's column is '(model)'."""
         steps = self._sampled_steps("updates", ("ratio",))
         idx, data = self._read_rows("updates/ratio", rows, len(steps))
         return self._frame(data, steps[idx], self.param_names, "updates/ratio")

@@ -112,9 +112,9 @@ def _forward(ctx, f, rt, span, note) -> Figure:
     origin = rt.module_names.index(f.where[0])
     leaves = [j for j in range(len(rt.module_names)) if rt.module_is_leaf[j] and j != origin]
     near = sorted(leaves, key=lambda j: (abs(j - origin), j))[:NEIGHBOURS]
-    cols = [rt.module_names[j] for j in sorted(near + [origin])]
+    cols = [rt.module_labels[j] for j in sorted(near + [origin])]
     frame = rows_between(out[cols], span)
-    lines = [plots.Line(c or "(model)", frame.index.to_numpy(), frame[c].to_numpy(), emphasis=c == f.where[0])
+    lines = [plots.Line(c, frame.index.to_numpy(), frame[c].to_numpy(), emphasis=c == rt.module_labels[origin])
              for c in cols]
     crosses = first_nonfinite(frame, cols)
     caption = (f"Largest |output| of {name_text(f.where[0])}, where NaN/Inf was born (thick), and of "

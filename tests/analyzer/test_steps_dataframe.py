@@ -3,6 +3,8 @@ measured (never the file's -1), used as people use DataFrames."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -25,3 +27,15 @@ def test_steps_is_a_dataframe_by_step_with_nan_for_not_measured(tmp_path):
     assert steps["loss"].rolling(5).mean().iloc[-1] < steps["loss"].iloc[0]
     assert steps.loc[105:109, "loss"].is_monotonic_decreasing
     assert steps.describe().loc["count", "rss_bytes"] == 30
+
+
+def test_the_per_module_frames_name_the_root_module():
+    """named_modules() calls the root '' (and so do findings' `where`); the per-module frames a
+    reader opens label its column '(model)', and the other modules as named_modules() does."""
+    rt = load(str(Path(__file__).parents[2] / "sample_traces" / "nan_birth")).ranks[0]
+    assert rt.module_names[0] == "" and rt.module_labels[0] == "(model)"
+    out = rt.module_stat()
+    assert list(out.columns) == ["(model)"] + rt.module_names[1:]
+    assert out.loc[0, "(model)"] > 0  # step 0 is watched: the model's output measured
+    acts = rt.activation_stat("mean")
+    assert list(acts.columns) == list(out.columns)
