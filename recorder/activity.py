@@ -8,7 +8,9 @@ one reduction per call. A ReLU unit whose bit stays 0 is dead; for LeakyReLU it 
 leaked; for GELU its output was pinned at or below zero. Tanh and sigmoid sites instead count
 the share of outputs within 1% of their bounds (saturated).
 
-The bits cross to the host once per window, through the step's single transfer.
+Each call keeps its maximum; at rec.step() the step's maxima are folded into the window's bits
+in a few ops for all sites (accumulate), and the bits cross to the host once per window, through
+the step's single transfer.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ class _Site:
     unit_dim: int
     units: int
     bit_offset: int
-    mask: torch.Tensor | None = None  # bool [units] on the device: ever positive this window
     saturated: torch.Tensor | None = None  # float32 count of saturated outputs this window
     numel: int = 0
     seen_step: int = -1
@@ -61,6 +62,11 @@ class ActivityTracker:
         self.steps_watched = 0
         self._bits = 0
         self._new_sites: list[dict] = []
+        # The step's per-call maxima over all but the unit dimension, and the window's bits (one
+        # uint8 per unit of every site, at its bit_offset) on the device: accumulate().
+        self._tops: list[tuple[_Site, torch.Tensor]] = []
+        self._window_bits: torch.Tensor | None = None
+        self._index: tuple[tuple, torch.Tensor] | None = None  # (sites called, their bit positions)
 
     # -- called by the wrapped functions, inside forward -------------------------------------
     def on_activation(self, fn: str, args, kwargs, out) -> None:
@@ -74,8 +80,8 @@ class ActivityTracker:
         frame[1] += 1
         key = (frame[0], fn, frame[1] - 1)
         site = self.sites.get(key)
-        with torch.no_grad():
-            y = out.detach()
+        with torch.no_grad():  # (no detach needed under no_grad: no graph is recorded)
+            y = out
             if site is None:
                 site = self._new_site(key, args, kwargs, y)
                 if site is None:
@@ -87,10 +93,7 @@ class ActivityTracker:
                 if y.dim() == 0 or y.shape[site.unit_dim] != site.units:
                     return
                 dims = [d for d in range(y.dim()) if d != site.unit_dim]
-                top = y.amax(dim=dims) if dims else y
-                # NaN is not "never positive": a unit whose output went NaN is not dead.
-                alive = (top > 0) | torch.isnan(top)
-                site.mask = alive if site.mask is None else site.mask | alive
+                self._tops.append((site, y.amax(dim=dims) if dims else y))  # (folded at rec.step: accumulate)
             elif fn in _SATURATING:
                 z = y.abs() if fn == "tanh" else (2 * y - 1).abs()
                 n = (z > SATURATION_LEVEL).sum(dtype=torch.float32)
@@ -145,13 +148,33 @@ class ActivityTracker:
         'dead from the start' means never positive in the first 5 steps."""
         return self._window_start + min(self.window, 5 * 2 ** self._windows_done) - 1
 
+    def accumulate(self) -> None:
+        """Fold the step's calls into the window's bits, a few ops for every site at once (call
+        under no_grad): a unit is alive if its maximum was > 0, or NaN (a unit whose output went
+        NaN is not dead). A site called twice in a step ORs (the max of its bits)."""
+        if not self._tops:
+            return
+        tops, self._tops = self._tops, []
+        called = tuple(s.index for s, _ in tops)
+        dev = tops[0][1].device
+        if self._index is None or self._index[0] != called or self._index[1].device != dev:
+            where = [s.bit_offset + k for s, _ in tops for k in range(s.units)]
+            self._index = (called, torch.tensor(where, dtype=torch.long, device=dev))
+        top = torch.cat([t.to(dev) for _, t in tops])
+        alive = ((top > 0) | top.isnan()).to(torch.uint8)
+        bits = self._window_bits
+        if bits is None or bits.numel() < self._bits or bits.device != dev:  # new sites: wider
+            grown = torch.zeros(self._bits, dtype=torch.uint8, device=dev)
+            if bits is not None:
+                grown[: bits.numel()] = bits.to(dev)
+            self._window_bits = bits = grown
+        bits.scatter_reduce_(0, self._index[1], alive, "amax")
+
     def pack(self, pk: Packer) -> None:
         """Add the window's bits and counts to this step's one host transfer."""
-        masks = [s.mask if s.mask is not None else torch.zeros(s.units, dtype=torch.bool)
-                 for s in self.sites.values() if s.units]
-        if masks:
-            dev = next((m.device for m in masks if m.device.type != "cpu"), masks[0].device)
-            pk.add("activity_bits", torch.cat([m.to(dev) for m in masks]).to(torch.uint8))
+        self.accumulate()
+        if self._window_bits is not None:
+            pk.add("activity_bits", self._window_bits)
         sat = [s.saturated for s in self.sites.values() if s.saturated is not None]
         if sat:
             pk.add("activity_sat", sat)
@@ -175,7 +198,8 @@ class ActivityTracker:
             "saturated_frac": frac,
         }
         for s in sites:
-            s.mask, s.saturated, s.numel, s.steps_seen = None, None, 0, 0
+            s.saturated, s.numel, s.steps_seen = None, 0, 0
+        self._window_bits = None
         self._window_start = step + 1
         self._windows_done += 1
         self.last_step = self._last_step()

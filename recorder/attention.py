@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["sdpa_probs", "mha_probs", "head_stats", "head_similarity", "DEFAULT_MAX_ELEMENTS"]
+__all__ = ["sdpa_probs", "mha_probs", "head_stats", "head_stats_groups", "head_similarity",
+           "head_similarity_groups", "DEFAULT_MAX_ELEMENTS"]
 
 #: Largest probability tensor (elements) computed at once; beyond it fewer query rows are taken.
 DEFAULT_MAX_ELEMENTS = 2 ** 24
@@ -326,35 +327,38 @@ def head_stats(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> torc
     to the key (``return_allowed=True`` of the ``*_probs`` functions); None = every key allowed.
     NaN probabilities propagate to NaN statistics.
     """
+    p = probs if probs.dim() == 4 else probs.unsqueeze(0)
+    return head_stats_groups(p.unsqueeze(0), allowed)[0]
+
+
+@torch.no_grad()
+def head_stats_groups(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """head_stats of G calls at once: ``(G, B, H, L, S)`` probabilities (``allowed``
+    broadcastable to them) -> ``(G, H, 3)``, a fixed number of ops whatever G."""
     p = probs.detach()
     if not torch.is_floating_point(p) or p.dtype in (torch.float16, torch.bfloat16):
         p = p.float()
-    if p.dim() == 3:
-        p = p.unsqueeze(0)
-    B, H, L, S = p.shape
+    G, B, H, L, S = p.shape
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
     if allowed is None:
-        n_allowed = torch.full((1, 1, 1), float(S), dtype=p.dtype, device=p.device)
+        n_allowed = torch.full((1, 1, 1, 1), float(S), dtype=p.dtype, device=p.device)
     else:
-        n_allowed = allowed.to(device=p.device).sum(dim=-1).to(p.dtype)   # broadcastable (.., L)
-    row_sum = p.sum(dim=-1)                                               # (B, H, L)
-    valid = (row_sum != 0) & (n_allowed >= 1)                             # NaN sums stay valid
-    valid = valid.expand(B, H, L)
+        n_allowed = allowed.to(device=p.device).sum(dim=-1).to(p.dtype)  # broadcastable (.., L)
+    row_sum = p.sum(dim=-1)                                               # (G, B, H, L)
+    valid = ((row_sum != 0) & (n_allowed >= 1)).expand(G, B, H, L)       # NaN sums stay valid
     ent_ok = valid & (n_allowed >= 2)
 
     ent = torch.special.entr(p).sum(dim=-1)                               # 0 * log 0 = 0
-    norm = torch.log(torch.clamp(n_allowed, min=2.0))
-    ent_norm = torch.where(ent_ok, ent / norm, torch.zeros((), dtype=p.dtype, device=p.device))
-    ent_mean = ent_norm.sum(dim=(0, 2)) / ent_ok.sum(dim=(0, 2)).to(p.dtype)   # 0/0 -> NaN
+    ent_norm = torch.where(ent_ok, ent / torch.log(torch.clamp(n_allowed, min=2.0)), zero)
+    ent_mean = ent_norm.sum(dim=(1, 3)) / ent_ok.sum(dim=(1, 3)).to(p.dtype)   # 0/0 -> NaN
 
-    mx = p.amax(dim=-1) if S > 0 else torch.zeros_like(row_sum)
-    mx = torch.where(valid, mx, torch.zeros((), dtype=p.dtype, device=p.device))
-    max_mean = mx.sum(dim=(0, 2)) / valid.sum(dim=(0, 2)).to(p.dtype)
+    mx = torch.where(valid, p.amax(dim=-1), zero) if S > 0 else torch.zeros_like(row_sum)
+    max_mean = mx.sum(dim=(1, 3)) / valid.sum(dim=(1, 3)).to(p.dtype)
 
-    mass = (p * valid.unsqueeze(-1).to(p.dtype)).sum(dim=(0, 2))          # (H, S)
-    total = mass.sum(dim=-1)
-    top = mass.amax(dim=-1) if S > 0 else torch.zeros_like(total)
-    sink = top / total                                                     # 0/0 -> NaN
-    return torch.stack([ent_mean, max_mean, sink], dim=1)
+    mass = (p * valid.unsqueeze(-1).to(p.dtype)).sum(dim=(1, 3))          # (G, H, S)
+    top = mass.amax(dim=-1) if S > 0 else torch.zeros_like(mass.sum(dim=-1))
+    sink = top / mass.sum(dim=-1)                                          # 0/0 -> NaN
+    return torch.stack([ent_mean, max_mean, sink], dim=-1)
 
 
 @torch.no_grad()
@@ -364,16 +368,20 @@ def head_similarity(probs: torch.Tensor) -> torch.Tensor:
     1 = all heads attend alike; NaN with fewer than two heads. An all-zero head map counts as
     similarity 0 to every other head.
     """
+    p = probs if probs.dim() == 4 else probs.unsqueeze(0)
+    return head_similarity_groups(p.unsqueeze(0))[0]
+
+
+@torch.no_grad()
+def head_similarity_groups(probs: torch.Tensor) -> torch.Tensor:
+    """head_similarity of G calls at once: ``(G, B, H, L, S)`` -> ``(G,)``."""
     p = probs.detach()
     if not torch.is_floating_point(p) or p.dtype in (torch.float16, torch.bfloat16):
         p = p.float()
-    if p.dim() == 3:
-        p = p.unsqueeze(0)
-    H = p.shape[1]
+    G, H = p.shape[0], p.shape[2]
     if H < 2:
-        return torch.full((), float("nan"), dtype=p.dtype, device=p.device)
-    flat = p.transpose(0, 1).reshape(H, -1)
-    unit = F.normalize(flat, dim=1, eps=1e-30 if p.dtype == torch.float64 else 1e-12)
-    gram = unit @ unit.T
-    off = gram.sum() - torch.diagonal(gram).sum()
+        return torch.full((G,), float("nan"), dtype=p.dtype, device=p.device)
+    unit = F.normalize(p.transpose(1, 2).reshape(G, H, -1), dim=2, eps=1e-30 if p.dtype == torch.float64 else 1e-12)
+    gram = unit @ unit.transpose(1, 2)
+    off = gram.sum(dim=(1, 2)) - torch.diagonal(gram, dim1=1, dim2=2).sum(dim=-1)
     return off / (H * (H - 1))

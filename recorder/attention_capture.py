@@ -19,9 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import head_similarity, head_stats, mha_probs, sdpa_probs
+from .attention import head_similarity_groups, head_stats_groups, mha_probs, sdpa_probs
 from .functional import call_arg, compiling
 from .stats import Packer
+
+# Probability elements held for the step's one reduction (64 MB of float32): past it, the calls
+# held so far are reduced at once (a long stack of layers with long sequences).
+HELD_ELEMENTS = 1 << 24
 
 
 class _Site:
@@ -29,8 +33,6 @@ class _Site:
         self.index = index
         self.heads = heads
         self.head_offset = head_offset
-        self.stats: list[torch.Tensor] = []  # (H, 3) per call this step
-        self.similarity: list[torch.Tensor] = []
         self.keys = 0
 
 
@@ -48,6 +50,14 @@ class AttentionTracker:
         # projections, not a second pair of them (the query's and the key's: ~15% more matrix
         # products in the forward of benchmarks/'s transformer).
         self._pending: dict[int, tuple] = {}
+        # The step's calls, (site, probabilities, allowed keys), reduced together at rec.step()
+        # (or once they hold HELD_ELEMENTS): head_stats_groups over every call of one shape at
+        # once, a fixed number of ops rather than ~50 a call. Then their results, in call order.
+        self._calls: list[tuple[_Site, torch.Tensor, torch.Tensor | None]] = []
+        self._held = 0
+        self._stats: list[torch.Tensor] = []
+        self._sims: list[torch.Tensor] = []
+        self._order: list[_Site] = []
         self._handles = []
         for m in watcher.modules:
             if isinstance(m, nn.MultiheadAttention):
@@ -170,39 +180,63 @@ class AttentionTracker:
                                     "head_offset": site.head_offset, "first_step": self.step})
         if heads != site.heads:
             return
-        site.stats.append(head_stats(probs, allowed))
-        site.similarity.append(head_similarity(probs).reshape(1))
         site.keys = int(probs.shape[-1])
+        self._calls.append((site, probs, allowed))
+        self._held += probs.numel()
+        if self._held > HELD_ELEMENTS:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """The statistics of the calls held, one head_stats_groups per shape of probabilities
+        (and of allowed keys: a call whose mask has another shape goes alone)."""
+        groups: dict[tuple, list] = {}
+        for call in self._calls:
+            _, probs, allowed = call
+            full = allowed is None or allowed.shape == probs.shape
+            key = (tuple(probs.shape), probs.dtype, probs.device, allowed is None, full, id(call) if not full else 0)
+            groups.setdefault(key, []).append(call)
+        with torch.no_grad():
+            for calls in groups.values():
+                probs = torch.stack([c[1] for c in calls]) if len(calls) > 1 else calls[0][1].unsqueeze(0)
+                allowed = None
+                if calls[0][2] is not None:
+                    allowed = torch.stack([c[2] for c in calls]) if len(calls) > 1 else calls[0][2]
+                self._stats.append(head_stats_groups(probs, allowed).reshape(-1))
+                self._sims.append(head_similarity_groups(probs))
+                self._order.extend(c[0] for c in calls)
+        self._calls, self._held = [], 0
 
     # -- at rec.step() -----------------------------------------------------------------------
     def pack(self, pk: Packer) -> None:
-        seen = [s for s in self.sites.values() if s.stats]
-        if seen:
-            # Several calls of one site in a step (shared layers) are averaged.
-            pk.add("attn_stats", torch.cat([torch.stack(s.stats).mean(0).reshape(-1) for s in seen]))
-            pk.add("attn_sim", torch.cat([torch.cat(s.similarity).mean().reshape(1) for s in seen]))
+        self._reduce()
+        if self._stats:
+            pk.add("attn_stats", torch.cat(self._stats) if len(self._stats) > 1 else self._stats[0])
+            pk.add("attn_sim", torch.cat(self._sims) if len(self._sims) > 1 else self._sims[0])
 
     def finish_step(self, step: int, host: dict) -> dict | None:
         self._pending = {}  # (left by a forward that raised inside the module)
-        seen = [s for s in self.sites.values() if s.stats]
-        if not seen:
+        order, self._order, self._stats, self._sims = self._order, [], [], []
+        self._calls, self._held = [], 0
+        if not order or "attn_stats" not in host:
             return None
         n_sites = len(self.sites)
-        entropy = np.full(self._heads, np.nan, dtype=np.float32)
-        max_w, sink = entropy.copy(), entropy.copy()
-        sim = np.full(n_sites, np.nan, dtype=np.float32)
-        keys = np.zeros(n_sites, dtype=np.int32)
+        # Several calls of one site in a step (shared layers) are averaged.
+        sums = np.zeros((self._heads, 3))
+        calls = np.zeros(n_sites)
+        sim_sum = np.zeros(n_sites)
         stats, i = host["attn_stats"], 0
-        for j, s in enumerate(seen):
-            block = stats[i:i + 3 * s.heads].reshape(s.heads, 3)
+        for j, s in enumerate(order):
+            sums[s.head_offset:s.head_offset + s.heads] += stats[i:i + 3 * s.heads].reshape(s.heads, 3)
             i += 3 * s.heads
-            sl = slice(s.head_offset, s.head_offset + s.heads)
-            entropy[sl], max_w[sl], sink[sl] = block[:, 0], block[:, 1], block[:, 2]
-            sim[s.index] = host["attn_sim"][j]
-            keys[s.index] = s.keys
-            s.stats, s.similarity = [], []
-        return {"step": step, "entropy": entropy, "max_weight": max_w, "sink_share": sink,
-                "head_similarity": sim, "keys": keys}
+            calls[s.index] += 1
+            sim_sum[s.index] += host["attn_sim"][j]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_head = np.repeat(calls, [s.heads for s in self.sites.values()])
+            mean = sums / per_head[:, None]
+            sim = (sim_sum / calls).astype(np.float32)
+        keys = np.array([s.keys if calls[s.index] else 0 for s in self.sites.values()], dtype=np.int32)
+        return {"step": step, "entropy": mean[:, 0].astype(np.float32), "max_weight": mean[:, 1].astype(np.float32),
+                "sink_share": mean[:, 2].astype(np.float32), "head_similarity": sim, "keys": keys}
 
     def take_new_sites(self) -> list[dict]:
         new, self._new_sites = self._new_sites, []
