@@ -23,6 +23,11 @@ class RecorderConfig:
     activations_every: int = 10
     watch_budget: float = 0.003
     watch_warmup: int = 100
+    # How a watched step reduces what it measures: None (on a GPU, a fixed number of foreach ops
+    # for all modules at once, a kernel launch being what a launch-bound step pays; on the CPU,
+    # per tensor, faster there), True (fused anywhere: how benchmarks/op_counts.py counts the GPU's
+    # ops on the CPU), False (per tensor anywhere). See recorder/watch_batch.py.
+    fused_reductions: bool | None = None
     # Update-to-weight ratio ||w_after - w_before|| / ||w_before||. It needs a copy of the
     # weights taken one step earlier, so it is sampled: every `update_ratio_every`-th step in the
     # first `watch_warmup` steps, then as often as that allows, but sparser (a multiple of it, at
@@ -164,6 +169,8 @@ class RecorderConfig:
         for f in ("profile_first", "profile_steps", "cuda_snapshot_first", "cuda_snapshot_every", "cuda_snapshot_max"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"Recorder option {f} must be an integer >= 0, got {getattr(self, f)!r}")
+        if self.fused_reductions not in (None, True, False):
+            raise ValueError(f"Recorder option fused_reductions must be None, True or False, got {self.fused_reductions!r}")
         if not 0 < self.watch_budget <= 1:
             raise ValueError(f"Recorder option watch_budget must be in (0, 1], got {self.watch_budget!r}")
         if not isinstance(self.watch_warmup, int) or self.watch_warmup < 0:

@@ -7,11 +7,12 @@ only the root module is hooked (for the step's timing). A NaN/Inf born on an unw
 still seen on its step, in the loss and gradient norms, and its module is then found by running
 the step again on a copy of the model with every module hooked (replay.py), with this same class.
 
-The finite check is one reduction per output: ``aminmax``, whose min and max are NaN if any
-element is NaN and +-Inf if any is infinite. A module *produced* a NaN/Inf (rather than passing
-one on) when its output is non-finite while its inputs were not; inputs that are the output of a
-module already seen this step reuse that module's result, so in the common case (a chain of
-modules) inputs cost nothing.
+The finite check of a tensor is its max and max |x|: NaN if any element is NaN, infinite if any
+is. A module *produced* a NaN/Inf (rather than passing one on) when its output is non-finite
+while its inputs were not; inputs that are the output of a module already seen this step reuse
+that module's result, so in the common case (a chain of modules) inputs cost nothing. How the
+checks and statistics are reduced, per tensor at once (CPU) or a few foreach ops for all modules
+at the end of the forward (GPU), is watch_batch.py's Measurements.
 
 Under ``torch.compile`` every hook returns at once while Dynamo traces it (``compiling()`` is a
 constant there, see functional.py): a compiled forward runs the graph it would run without the
@@ -37,7 +38,8 @@ from .functional import compiling
 from .histograms import histogram
 from .loss_graph import mark_outputs
 from .profiler import own_work
-from .stats import Packer, activation_stats, combine_stats, floating_tensors
+from .stats import Packer, combine_stats, floating_tensors
+from .watch_batch import Measurements
 
 
 _BATCH = -2  # (finish_step: the -Inf came with the input batch)
@@ -86,6 +88,12 @@ class ModuleWatcher:
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
         self._unmeasured = np.zeros(0, dtype=np.float32)  # the row of a step not watched: -1s
+        self.meas = Measurements()  # fused_option: set by the Recorder (fused_reductions)
+        # Fused steps (watch_batch.py): modules seen writing into their inputs (and those that
+        # say inplace=True), measured before they run; modules whose outputs are written in place
+        # after they return, measured as they return.
+        self.writes_input = {i for i, m in enumerate(self.modules) if getattr(m, "inplace", False) is True}
+        self.written_after: set[int] = set()
         self._reset()
 
     def current(self) -> list | None:
@@ -149,31 +157,20 @@ class ModuleWatcher:
     def _reset(self) -> None:
         self.stack = []
         self._producers: dict[int, tuple[weakref.ref, int]] = {}
-        self._mins: list[torch.Tensor] = []  # one (min, max) pair per checked tensor this step
-        self._maxs: list[torch.Tensor] = []
-        self._seen: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, pair, version)
-        self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input pairs, output pairs)
-        self._acts: dict[int, list[int]] = {}  # module -> rows of _stats, one per call
-        self._stats: list[torch.Tensor] = []  # activation_stats of each distinct output tensor
-        self._stats_n: list[int] = []  # and its number of elements
-        self._stats_of: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (ref, row, version)
+        self.meas.reset()  # the checks and statistics of the step (watch_batch.py)
+        self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input checks, output checks)
+        self._acts: dict[int, list[int]] = {}  # module -> statistics rows, one per call
         self._hists: dict[int, torch.Tensor] = {}  # module -> summed histogram counts
         self._sampled: set[int] = set()  # modules whose output was sampled this step
         # Whether the gradient that reached the model's outputs in the backward pass held NaN/Inf
         # (one 0-d device tensor per output, on watched steps): a NaN born in the loss's backward.
         self._out_grads: list[torch.Tensor] = []
 
-    def _stats_row(self, x: torch.Tensor) -> int:
-        """Row of x's activation_stats, computed once per tensor (a container returns its last
-        child's output: the same tensor)."""
-        hit = self._stats_of.get(id(x))
-        if hit is not None and hit[0]() is x and hit[2] == x._version:
-            return hit[1]
-        stats, n = activation_stats(x)
-        self._stats.append(stats)
-        self._stats_n.append(n)
-        self._stats_of[id(x)] = (weakref.ref(x), len(self._stats) - 1, x._version)
-        return len(self._stats) - 1
+    def _flush(self) -> None:
+        """Reduce what the step registered so far (fused), and learn from the outputs that were
+        written in place after their module returned: flushed as it returns, from now on."""
+        with torch.no_grad():
+            self.written_after |= self.meas.flush()
 
     def remove(self) -> None:
         self._hook_modules(False)
@@ -182,24 +179,6 @@ class ModuleWatcher:
             h.remove()
         self._timing_handles = []
         self._reset()
-
-    def _check(self, x: torch.Tensor) -> int:
-        """Index of the (min, max) pair of x, computing it unless x was already checked.
-
-        The cache key includes the tensor's version counter: a NaN written in place
-        (``x.mul_(nan)``, ``out += identity``) after the check makes it stale.
-        """
-        key = id(x)
-        version = x._version
-        hit = self._seen.get(key)
-        if hit is not None and hit[0]() is x and hit[2] == version:
-            return hit[1]
-        mn, mx = torch.aminmax(x.detach())
-        self._mins.append(mn)
-        self._maxs.append(mx)
-        idx = len(self._mins) - 1
-        self._seen[key] = (weakref.ref(x), idx, version)
-        return idx
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
@@ -210,13 +189,19 @@ class ModuleWatcher:
             ins = None
             # (no torch.no_grad() needed here or in hook(): every reduction runs on a detached
             # tensor, so none records a graph, and the context manager costs ~2 us a call)
+            versions = None
             if (self.check_no_grad or torch.is_grad_enabled()) and len(self._calls) < self.max_calls:
                 try:
                     with own_work():
-                        ins = [self._check(x) for x in floating_tensors(args)]
+                        inputs = floating_tensors(args)
+                        ins = [self.meas.check(x) for x in inputs]
+                        if self.meas.fused:  # (a module that writes into its input: measured before it does)
+                            versions = [x._version for x in inputs]
+                            if index in self.writes_input:
+                                self._flush()
                 except Exception as e:  # never raise into the model's forward
                     self._on_error(e)
-            self.stack.append([index, 0, 0, ins])
+            self.stack.append([index, 0, 0, ins, versions])
 
         return pre_hook
 
@@ -236,6 +221,11 @@ class ModuleWatcher:
             try:
                 with own_work():
                     self._on_output(index, ins, output)
+                    if self.meas.fused:
+                        if frame[4] and any(x._version != v for x, v in zip(floating_tensors(args), frame[4])):
+                            self.writes_input.add(index)  # measure its inputs before it runs, from now on
+                        if index == 0 or index in self.written_after:
+                            self._flush()
             except Exception as e:  # never raise into the model's forward
                 self._on_error(e)
 
@@ -246,7 +236,7 @@ class ModuleWatcher:
         outs = floating_tensors(output)
         if not outs:
             return
-        self._calls.append((index, ins, [self._check(x) for x in outs]))
+        self._calls.append((index, ins, [self.meas.check(x, index) for x in outs]))
         if index == 0 and torch.is_grad_enabled():
             for x in outs[:4]:
                 if x.requires_grad:
@@ -262,7 +252,7 @@ class ModuleWatcher:
         if outs[0].dim() == 3:  # channels-first or sequence: the producer tells
             self._producers[id(outs[0])] = (weakref.ref(outs[0]), index)
         if self.sample_activations:
-            self._acts.setdefault(index, []).append(self._stats_row(outs[0]))
+            self._acts.setdefault(index, []).append(self.meas.stats_row(outs[0]))
         if self.sample_histograms and index in self.hist_modules:
             h = histogram(outs[0])
             prev = self._hists.get(index)
@@ -279,20 +269,17 @@ class ModuleWatcher:
             self._on_error(e)
 
     def pack(self, packer: Packer) -> None:
-        if not self._mins:  # nothing checked: a step that was not watched
+        if self.meas.empty:  # nothing checked: a step that was not watched
             return
+        with torch.no_grad():
+            self.written_after |= self.meas.pack(packer)
         if self._out_grads:
-            dev = self._mins[0].device
+            dev = self._out_grads[0].device
             packer.add("out_grad_bad", [t.to(dev) for t in self._out_grads])
-        packer.add("pair_min", self._mins)
-        packer.add("pair_max", self._maxs)
-        if self._stats:
-            dev = self._stats[0].device
-            packer.add("acts", [t.to(dev) for t in self._stats])
         self._hist_keys = list(self._hists.keys())
         if self._hists:
-            packer.add("hist_act", [h.to(self._mins[0].device if self._mins else h.device)
-                                    for h in self._hists.values()])
+            dev = next(iter(self._hists.values())).device
+            packer.add("hist_act", [h.to(dev) for h in self._hists.values()])
 
     def hist_rows(self, host: dict[str, np.ndarray], n_bins: int) -> np.ndarray:
         """(histogrammed modules x bins) counts of this step; -1 for modules not called."""
@@ -309,12 +296,11 @@ class ModuleWatcher:
             if len(self._unmeasured) != n_modules:
                 self._unmeasured = np.full(n_modules, -1.0, dtype=np.float32)
                 self._unmeasured.flags.writeable = False
-            if self._seen or self._producers or self._hists or self.stack:
+            if not self.meas.empty or self._producers or self._hists or self.stack:
                 self._reset()
             return {"output_absmax": self._unmeasured, "origin": -1, "consumer": -1, "neg_origin": -1,
                     "batch_nonfinite": 0, "output_grad_nonfinite": -1}
-        mins, maxs = host.get("pair_min", np.zeros(0)), host.get("pair_max", np.zeros(0))
-        absmax = np.maximum(np.abs(mins), np.abs(maxs))  # NaN stays NaN
+        maxs, absmax, acts = self.meas.host_values(host)
         # A NaN or +Inf is a fault. A -Inf alone is how masks and log-probabilities of impossible
         # events are written: whether it is one is decided by where it goes, not by who made it.
         # Into a softmax or a masked fill it is a mask (their outputs stay finite); it is a fault
@@ -322,8 +308,11 @@ class ModuleWatcher:
         # the step's loss went non-finite (a sum, a loss outside the modules: neg_origin). Either way the
         # origin is the module that made the -Inf from finite inputs, and `consumer` the module
         # that turned it into NaN/+Inf (-1: none, or the origin made NaN/+Inf itself).
-        bad = np.isnan(mins) | np.isnan(maxs) | (maxs == np.inf)
-        neg_inf = mins == -np.inf
+        bad = np.isnan(absmax) | (maxs == np.inf)
+        neg_inf = (absmax == np.inf) & ~bad  # max |x| infinite, max not: a -Inf
+        if any(self.meas.stale):  # written in place before measured: not known (-1)
+            stale = np.array(self.meas.stale, dtype=bool)
+            bad, neg_inf, absmax = bad & ~stale, neg_inf & ~stale, np.where(stale, -1.0, absmax)
         out_absmax = [-1.0] * n_modules  # -1: not called this step
         origin, consumer, first_bad, batch_bad = -1, -1, -1, False
         first_neg = last_neg = -1  # the first and the latest module that made a -Inf from finite inputs
@@ -382,8 +371,11 @@ class ModuleWatcher:
             "batch_nonfinite": int(batch_bad),
         }
         if self._acts:
-            mean, std, zero = combine_stats(n_modules, self._acts, np.array(self._stats_n),
-                                            host["acts"].reshape(-1, 4))
+            calls = self._acts
+            if any(self.meas.stale_parts):  # written in place before measured: left out
+                gone = self.meas.stale_parts
+                calls = {m: kept for m, rows in calls.items() if (kept := [r for r in rows if not gone[r]])}
+            mean, std, zero = combine_stats(n_modules, calls, np.array(self.meas.numel), acts)
             # NaN/Inf in the output: not counted (a pass more per output), only flagged: -2 for
             # "held some"; 0 for none; -1 for a module not called.
             called = out_absmax >= 0

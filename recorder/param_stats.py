@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import sharding
-from .grad_norms import GradientNorms, add_grad_range, exact_overflowed_norms
+from .grad_norms import GradientNorms, add_grad_absmax, exact_overflowed_norms
 from .histograms import N_BINS, histogram
 from .stats import Packer, l2_norms
 
@@ -52,7 +52,7 @@ class ParamStats:
             else:
                 pk.add("grad_norm", l2_norms(present))
             if watched:
-                add_grad_range(pk, present)
+                add_grad_absmax(pk, present, self.norms.fused_option)
         # Weight norms on watched steps, and on the step before an update ratio (its
         # ||w_before||); other steps write -1 (not measured) unless they go bad.
         plan = self.planner
@@ -112,7 +112,7 @@ class ParamStats:
         has, present, cached, weights, update_den, hist = self._s
         extra = Packer()
         if present:
-            add_grad_range(extra, present)
+            add_grad_absmax(extra, present, self.norms.fused_option)
         if self._params and "param_norm" not in host:
             weights = self.weights()
             extra.add("param_norm", l2_norms(weights))
@@ -130,7 +130,7 @@ class ParamStats:
         grad_bad = self.no_bad_grads  # exact NaN/Inf element counts (a shared row of zeros)
         if present:
             g_norm = host["grad_norm"]
-            g_absmax = np.maximum(np.abs(host["grad_min"]), np.abs(host["grad_max"])) if "grad_min" in host else None
+            g_absmax = host.get("grad_absmax")
             if full:
                 # Only a non-finite max|g| (or norm: a float32 norm may also overflow) can
                 # hide a NaN/Inf.
@@ -180,10 +180,10 @@ class ParamStats:
         return rows
 
     def weights(self) -> list[torch.Tensor]:
-        """The parameters' values (each rank's shard of a sharded one), detached."""
+        """The parameters (each rank's shard of a sharded one), to read under no_grad, never to write."""
         if self._sharded:
             return [sharding.local(p.detach()) for p in self._params]
-        return [p.detach() for p in self._params]
+        return self._params  # (callers read them under no_grad: no detach, an op each, needed)
 
     def _copy_weights(self) -> list[torch.Tensor]:
         """The weights now, copied into _w_buf (allocated again only if the model moved)."""

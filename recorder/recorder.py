@@ -104,6 +104,7 @@ class Recorder:
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
         self.norms = GradientNorms(self._params, self._param_index, self._grad_of)
+        self.norms.fused_option = self.config.fused_reductions  # (watch_batch.py)
         self._param_name_by_id = {id(p): n for n, p in named}
         check_sample_modules(model, self.config.sample_modules)
         try:
@@ -121,6 +122,7 @@ class Recorder:
     def _open(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         self.watcher = ModuleWatcher(self.model, self._fail)
+        self.watcher.meas.fused_option = self.config.fused_reductions
         n_params, n_modules = len(self._params), len(self.watcher.names)
         cfg = self.config
         self._hist_params, hist_modules = histogram_tensors(n_params, self.watcher.is_leaf, cfg.histogram_max_tensors) \

@@ -24,7 +24,7 @@ class Packer:
         if isinstance(values, (list, tuple)):
             values = torch.stack(values) if values else torch.zeros(0)
         self._names.append(name)
-        self._parts.append(values.reshape(-1))
+        self._parts.append(values if values.dim() == 1 else values.reshape(-1))
 
     @property
     def empty(self) -> bool:
@@ -81,7 +81,7 @@ def l2_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return _stack(torch._foreach_norm(tensors))
 
 
-def l2_norm_values(tensors: list[torch.Tensor], dots: bool | None = None) -> list[float]:
+def l2_norm_values(tensors: list[torch.Tensor], dots: bool | None = None, one_transfer: bool | None = None) -> list[float]:
     """The norms of l2_norms as Python floats, for the host at once (the optimizer step
     pre-hook). On the CPU each is read with .item(): right after a training step the stack,
     sqrt_ and tolist of l2_norms cost more than the reads (over the optimizer step after it,
@@ -91,9 +91,12 @@ def l2_norm_values(tensors: list[torch.Tensor], dots: bool | None = None) -> lis
 
     `dots`: the path, if the caller chose it already (the pre-hook, once per optimizer: each
     pass of _takes_dots over the tensors costs a few us, cold); a tensor it does not suit (a
-    None, a sparse one) raises."""
+    None, a sparse one) raises. `one_transfer`: True takes the GPU's path anywhere (one
+    _foreach_norm, one transfer); None decides by the device."""
     if not tensors:
         return []
+    if one_transfer:
+        return _stack(torch._foreach_norm(tensors)).tolist()
     if dots if dots is not None else _takes_dots(tensors):
         return [math.sqrt(torch.dot(v, v).item()) for v in (t.reshape(-1) for t in tensors)]
     norms = torch._foreach_norm(tensors)

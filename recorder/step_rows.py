@@ -71,6 +71,7 @@ class StepRows:
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
             ps.pack(pk, step, watched, self.watcher.sample_histograms)
             self.watcher.pack(pk)
+            self.activity.accumulate()
             window_ends = self.activity.window_ends(step)
             if window_ends:
                 self.activity.pack(pk)
