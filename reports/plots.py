@@ -220,13 +220,17 @@ def plot_memory(series: dict[str, tuple[np.ndarray, np.ndarray]], ax, *, fit: Li
 def plot_stacked(x: np.ndarray, layers: dict[str, np.ndarray], ax, *, ylabel: str,
                  colors: Sequence[str] = (), hlines=(), points: tuple[np.ndarray, np.ndarray] | None = None,
                  points_label: str = "", marks: Sequence[Mark] = (), xspan=None,
-                 ymax: float | None = None, peak: np.ndarray | None = None) -> None:
+                 ymax: float | None = None, peak: np.ndarray | None = None,
+                 bands: Sequence[tuple[float, float]] = (), bands_label: str = "") -> None:
     """Layers stacked over steps (the phases of a step). Long runs are bucketed: each layer's mean
     per bucket (areas stay true), and the largest total of each bucket drawn as a thin line on
     top, so a slow step is never averaged away. ``points``: (steps, values) marked with crosses.
     ``ymax``: cut the axis there (so one huge step does not flatten the rest); points above it are
     drawn on the top edge as triangles with their value. ``peak``: given when the caller bucketed
-    the layers already (each bucket's largest total)."""
+    the layers already (each bucket's largest total). ``bands``: (first, last) steps shaded grey
+    behind the layers (``bands_label`` in the legend once)."""
+    for k, (lo, hi) in enumerate(bands):
+        ax.axvspan(lo - 0.5, hi + 0.5, color="#e0e0e0", lw=0, zorder=0, label=_label(bands_label) if k == 0 else None)
     x = np.asarray(x, dtype=float)
     ys = np.stack([np.nan_to_num(np.asarray(v, dtype=float), nan=0.0) for v in layers.values()])
     total = ys.sum(axis=0)

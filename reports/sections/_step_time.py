@@ -8,7 +8,7 @@ import numpy as np
 from ...analyzer.trace.step_time import PHASE_NAMES, PHASES
 from ...analyzer.trace import RankTrace
 from .. import plots
-from ..context import Context, figure, no_figure
+from ..context import Context, figure, no_figure, read_or_none
 from ..model import Figure
 
 COLORS = ("#ef6c00", "#1f77b4", "#2ca02c", "#9e9e9e")  # the first phase (data loading) stands out
@@ -55,6 +55,13 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
     if split:
         caption += (" The time between steps is split into waiting for the DataLoader's next batch and the "
                     "rest of the loop's own work (or idle).")
+    windows = read_or_none(lambda: rt.profile_windows)
+    bands = [] if windows is None else [(int(w.step_start), int(w.step_end)) for w in windows.itertuples()]
+    if bands:
+        caption += (" Grey bands: the recorder's torch.profiler windows (" + ", ".join(
+            f"steps {a:,}-{b:,}" if a != b else f"step {a:,}" for a, b in bands[:4]) + (", ..." if len(bands) > 4 else "")
+            + "); the profiler slows the operators of the steps it records, so their forward and backward "
+            "there are partly the recorder's cost, not the job's.")
     x = rt.step_index
     n = len(x)
     peak = None
@@ -72,4 +79,5 @@ def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, h
         layers = dict(_layers(rt, split))
     return figure(title, caption, plots.plot_stacked, x, layers, ylabel="ms per step", colors=colors,
                   hlines=hlines, points=points, points_label=points_label, marks=marks,
-                  xspan=ctx.span(rt), ymax=ymax, peak=peak)
+                  xspan=ctx.span(rt), ymax=ymax, peak=peak, bands=bands,
+                  bands_label="the recorder's profiler window")

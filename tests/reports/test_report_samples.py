@@ -64,3 +64,11 @@ def test_the_first_screen_is_the_verdict():
     first_page = squeeze(pdf_pages_text(pdf)[0])
     assert squeeze(report.verdict.headline) in first_page and "Fixfirst:" in first_page
     assert "Recordersettings" not in first_page and "features.log" in first_page
+
+
+def test_the_recorders_profiler_window_is_labelled_in_the_step_time_figure():
+    """The profiler window slows the steps it records (issue 24: the recorder's cost is not the
+    user's problem): the step-time figure shades them and says so."""
+    trace, findings, report, html, pdf = sample_report("nan_birth")
+    fig = next(f for f in report.overview if f.title.startswith("Step time by phase"))
+    assert fig.png and "the recorder's torch.profiler windows (steps 10-11)" in fig.caption
