@@ -72,7 +72,7 @@ def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
         group = [tensors[i] for i in idx]
         for k, hi, m in zip(idx, torch._foreach_max(group), torch._foreach_norm(group, math.inf)):
             top[k], mag[k] = hi, m
-    return torch.stack(top + mag)
+    return _stack(top + mag)
 
 
 def moments(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -92,7 +92,15 @@ def moments(parts: list[torch.Tensor]) -> torch.Tensor:
         for col, values in zip(cols, norms):
             for k, v in zip(idx, values):
                 col[k] = v
-    return torch.stack(cols[0] + cols[1] + cols[2] + cols[3])
+    return _stack(cols[0] + cols[1] + cols[2] + cols[3])
+
+
+def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+    """One stack; a model spread over devices has its values gathered on the first one first."""
+    dev = values[0].device
+    if any(v.device != dev for v in values):
+        values = [v.to(dev) for v in values]
+    return torch.stack(values)
 
 
 def host_maxima(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
