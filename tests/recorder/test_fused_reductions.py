@@ -8,10 +8,11 @@ writes into its input in place."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
-from torchautopsy import load
+from torchautopsy import Recorder, load
 from tests.training import train
 
 
@@ -116,3 +117,45 @@ def test_a_nan_written_in_place_is_placed_alike_on_both_paths(tmp_path):
         assert bad[0] == 10, name
         origins[name] = rt.module_names[int(steps.loc[10, "nonfinite_origin"])]
     assert origins == {"fused": "poison", "eager": "poison"}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_the_fused_path_agrees_on_hugging_face_models(tmp_path, arch):
+    """Models we did not write (transformers' GPT-2 with SDPA attention, BERT), a few steps of
+    AdamW from random init: the GPU's path records the per-tensor path's module outputs,
+    statistics and attention, except outputs its model writes over after they return (none
+    expected here: every module measured on both paths from the first watched step)."""
+    transformers = pytest.importorskip("transformers")
+
+    def record(name, fused):
+        torch.manual_seed(0)
+        if arch == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, attn_implementation="sdpa"))
+        else:
+            model = transformers.BertForMaskedLM(transformers.BertConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=32, attn_implementation="eager"))
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        g = torch.Generator().manual_seed(0)
+        with Recorder(model, tmp_path / name, fused_reductions=fused) as rec:
+            for _ in range(12):
+                ids = torch.randint(0, 64, (4, 16), generator=g)
+                loss = model(input_ids=ids, labels=ids).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.step(loss=loss)
+        return load(tmp_path / name).ranks[0]
+
+    fused, eager = record("fused", True), record("eager", None)
+    np.testing.assert_array_equal(fused.steps["loss"], eager.steps["loss"])
+    a, b = fused.module_stat().loc[[0, 10]], eager.module_stat().loc[[0, 10]]
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert (b > 0).sum().sum() > 20  # modules measured (not -1)
+    for stat in ("mean", "std", "zero_frac"):
+        np.testing.assert_allclose(fused.activation_stat(stat), eager.activation_stat(stat), rtol=2e-4, atol=1e-5,
+                                   err_msg=stat)
+    assert len(eager.attention_sites) == 2
+    for stat in ("entropy", "max_weight", "sink_share", "head_similarity"):
+        np.testing.assert_allclose(fused.attention_stat(stat), eager.attention_stat(stat), rtol=1e-5, err_msg=stat)
