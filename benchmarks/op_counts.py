@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import build as overhead_build  # noqa: E402
+from overhead import build as overhead_build, train_once  # noqa: E402
 
 WORKLOADS = ("transformer", "mlp", "cnn")
 KINDS = ("plain", "watched", "histogram", "update", "window", "census")
@@ -122,10 +122,7 @@ def count_steps(workload: str, steps: int, recorded: bool, run_dir: str | None =
             x, y = batches[step % len(batches)]
 
             def one_step():
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
+                loss = train_once(model, opt, loss_fn, (x, y))
                 if rec is not None:
                     rec.step(loss=loss)
                 else:
