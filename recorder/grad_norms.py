@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import torch
 
-from .stats import Packer, l2_norm_values, takes_dots
+from .stats import Packer, l2_norm_values, max_and_absmax, takes_dots
 from .watch_batch import fused_here
 
 # Per-parameter reads done by map() in C: right after a training step each line of Python runs
@@ -152,4 +152,4 @@ def add_grad_absmax(pk: Packer, grads: list, fused: bool | None) -> None:
         pk.add("grad_absmax", torch._foreach_norm(grads, math.inf))
         return
     mm = [torch.aminmax(g) for g in grads]
-    pk.add("grad_absmax", torch.maximum(torch.stack([m[1] for m in mm]), torch.stack([m[0] for m in mm]).neg()))
+    pk.add("grad_absmax", max_and_absmax([m[0] for m in mm], [m[1] for m in mm])[1])

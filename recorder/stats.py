@@ -123,10 +123,23 @@ def _takes_dots(tensors: list[torch.Tensor]) -> bool:
 
 
 def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
+    return stack_gathered(norms, torch.float32)
+
+
+def stack_gathered(values: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.stack(values); for a model spread over devices, gathered on the first one first
+    (as ``dtype``, or each its own: the stack promotes)."""
     try:
-        return torch.stack(norms)
-    except RuntimeError:  # norms on several devices (model parallel): gathered on the first
-        return torch.stack([n.to(norms[0].device, torch.float32) for n in norms])
+        return torch.stack(values)
+    except RuntimeError:  # values on several devices (model parallel)
+        return torch.stack([v.to(values[0].device, dtype) for v in values])
+
+
+def max_and_absmax(mins: list[torch.Tensor], maxs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, max |x|) of tensors from their aminmax results: max |x| = max(max, -min), NaN
+    staying NaN."""
+    top = torch.stack(maxs)
+    return top, torch.maximum(top, torch.stack(mins).neg())
 
 
 def _host(t: torch.Tensor) -> np.ndarray:

@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 import torch
 
-from .stats import activation_stats
+from .stats import activation_stats, max_and_absmax, stack_gathered
 
 # Statistics (mean, std, zero share) of a fused step are taken over the first rows of an output
 # holding at most this many elements (the finite check and max |x| see every element): the whole
@@ -72,7 +72,7 @@ def maxima(tensors: list[torch.Tensor]) -> torch.Tensor:
         group = [tensors[i] for i in idx]
         for k, hi, m in zip(idx, torch._foreach_max(group), torch._foreach_norm(group, math.inf)):
             top[k], mag[k] = hi, m
-    return _stack(top + mag)
+    return stack_gathered(top + mag)
 
 
 def moments(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -92,15 +92,7 @@ def moments(parts: list[torch.Tensor]) -> torch.Tensor:
         for col, values in zip(cols, norms):
             for k, v in zip(idx, values):
                 col[k] = v
-    return _stack(cols[0] + cols[1] + cols[2] + cols[3])
-
-
-def _stack(values: list[torch.Tensor]) -> torch.Tensor:
-    """One stack; a model spread over devices has its values gathered on the first one first."""
-    dev = values[0].device
-    if any(v.device != dev for v in values):
-        values = [v.to(dev) for v in values]
-    return torch.stack(values)
+    return stack_gathered(cols[0] + cols[1] + cols[2] + cols[3])
 
 
 def host_maxima(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,9 +210,9 @@ class Measurements:
         returns the stale modules of a last flush (fused)."""
         stale = self.flush() if self.fused else set()
         if self._mins:
-            maxs = torch.stack(self._maxs)
+            maxs, absmax = max_and_absmax(self._mins, self._maxs)
             packer.add("pair_max", maxs)
-            packer.add("pair_absmax", torch.maximum(maxs, torch.stack(self._mins).neg()))  # NaN stays NaN
+            packer.add("pair_absmax", absmax)
         if self._stats:
             dev = self._stats[0].device
             packer.add("acts", [t.to(dev) for t in self._stats])
