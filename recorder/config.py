@@ -78,6 +78,17 @@ class RecorderConfig:
     cuda_snapshot_first: int = 10
     cuda_snapshot_every: int = 1000
     cuda_snapshot_max: int = 50
+    # Many-rank jobs. The heartbeat (heartbeat.py): a thread that wakes every `heartbeat_s`
+    # seconds and, only when no step came since, writes what the training thread is doing (step,
+    # phase), with its Python stack once the step has taken `stall_factor` times the usual step:
+    # a hung job killed by a timeout still says where each rank stopped. 0: no heartbeat.
+    heartbeat_s: float = 5.0
+    stall_factor: float = 10.0
+    # Replica fingerprints (fingerprint.py): every `fingerprint_every` steps, each parameter's
+    # bits summed as integers, one reduction per parameter (a transformer of 200 tensors: ~400
+    # ops every 100th step, 0.2% of its ops; counted by benchmarks/op_counts.py), so that the
+    # analyzer can name the step and rank where a data-parallel replica left the others. 0: off.
+    fingerprint_every: int = 100
     # The writer thread writes and flushes the file at least this often (seconds). A job killed
     # by SIGKILL loses at most this much.
     flush_every_s: float = 5.0
@@ -207,6 +218,14 @@ class RecorderConfig:
                 raise ValueError(f"Recorder option start_step must be an integer >= 0 (or None: from the "
                                  f"optimizer's state), got {self.start_step!r}")
             object.__setattr__(self, "start_step", start)
+        if not (isinstance(self.fingerprint_every, int) and not isinstance(self.fingerprint_every, bool)
+                and self.fingerprint_every >= 0):
+            raise ValueError(f"Recorder option fingerprint_every must be an integer >= 0 (0: off), "
+                             f"got {self.fingerprint_every!r}")
+        if not (isinstance(self.heartbeat_s, (int, float)) and self.heartbeat_s >= 0):
+            raise ValueError(f"Recorder option heartbeat_s must be seconds >= 0 (0: off), got {self.heartbeat_s!r}")
+        if not (isinstance(self.stall_factor, (int, float)) and self.stall_factor >= 1):
+            raise ValueError(f"Recorder option stall_factor must be a number >= 1, got {self.stall_factor!r}")
         if not self.flush_every_s > 0:
             raise ValueError(f"Recorder option flush_every_s must be > 0, got {self.flush_every_s!r}")
 

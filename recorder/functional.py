@@ -93,16 +93,27 @@ def _wrap(namespace, attr: str, kind: str):
     return original, wrapper
 
 
+_loader_t0: float | None = None  # when the training thread entered DataLoader.__next__, while in it
+
+
+def loader_since() -> float | None:
+    """When the wait for the batch being loaded now began (perf_counter), or None: the heartbeat's
+    "data" phase (heartbeat.py)."""
+    return _loader_t0
+
+
 def _wrap_next(original):
     """DataLoader iterators' __next__, timed: the training's wait for its next batch."""
 
     def __next__(self):
         if compiling():  # (a loader iterated inside compiled code: not timed)
             return original(self)
-        t0 = time.perf_counter()
+        global _loader_t0
+        t0 = _loader_t0 = time.perf_counter()
         try:
             return original(self)
         finally:
+            _loader_t0 = None
             dt = time.perf_counter() - t0
             for obs in tuple(_observers):
                 try:

@@ -20,6 +20,7 @@ from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
 from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
+from .heartbeat import Heartbeat
 from .histograms import N_BINS, histogram_tensors
 from .hooks import ModuleWatcher
 from .memory_probe import MemoryProbe
@@ -89,6 +90,8 @@ class Recorder:
         self.captures = None  # snapshots, sampled tensors, the black box (captures.py)
         self._opt_hook = None
         self.rows = None  # each step's work over the probes (step_rows.py)
+        self.heartbeat = None  # what the training thread does when steps stop coming (heartbeat.py)
+        self._in_step_since: float | None = None  # (the heartbeat's "recorder" phase)
         # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
         # found by replaying the step (replay.py).
         self._watched = False
@@ -162,8 +165,11 @@ class Recorder:
                              memory=self.memory, clock=self.clock, planner=self.planner, profiler=self.profiler,
                              captures=self.captures, schedule=self.schedule, writer=self.writer,
                              params=self._params, device=self._device)
+        self.rows.fingerprint_every = cfg.fingerprint_every
         self._active = True
         resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
+        if cfg.heartbeat_s:
+            self.heartbeat = Heartbeat(self, cfg.heartbeat_s, cfg.stall_factor)
 
     def _pre_optimizer_step(self, optimizer, args, kwargs):
         """Before any optimizer's step (a global hook): before_optimizer_step(). Not for a step
@@ -246,13 +252,14 @@ class Recorder:
             if self._watched:  # (counted once the step has run: the activity window holds it)
                 self.activity.steps_watched += 1
             try:
-                t_called = time.perf_counter()
+                t_called = self._in_step_since = time.perf_counter()
                 with own_work():
                     self._sched = self.schedule.end_step(self._step)
                     if not self.rows.plain(self._step, loss, t_called, self._watched, self._sched):
                         self.rows.record(self._step, loss, t_called, self._watched, self._sched)
             except Exception as e:
                 self._fail(e)
+            self._in_step_since = None
             self.norms.entries = []
         if self._active:
             w = self.watcher
@@ -289,6 +296,8 @@ class Recorder:
             pass
 
     def _unhook(self) -> None:
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.stop()
         self.schedule.remove()
         if getattr(self, "_opt_hook", None) is not None:
             self._opt_hook.remove()

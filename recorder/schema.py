@@ -151,6 +151,15 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
         # model's outputs were finite on the step itself (1 NaN/Inf, 0 finite, -1 not known) and
         # the loss's autograd ops from the loss to the outputs (JSON list; null: not found).
         "loss_checks": [Column("step", "i8"), Column("outputs_nonfinite", "i1"), Column("ops", "str")],
+        # While no step comes (heartbeat.py): a row per heartbeat, what the training thread was
+        # doing; its Python stack (JSON [[file, line, function, code], ...], innermost last) once
+        # the step is long overdue, when it changed ("" otherwise).
+        "heartbeats": [Column("time_unix", "f8"), Column("step", "i8"), Column("phase", "str"),
+                       Column("phase_s", "f4"), Column("step_s", "f4"), Column("typical_step_s", "f4"),
+                       Column("stack", "str")],
+        # Every fingerprint_every steps, after the optimizer step: each parameter's bits summed
+        # as integers (fingerprint.py); replicas (DDP) hold the same.
+        "fingerprints": [Column("step", "i8"), Column("bits", "i8", n_params)],
         # torch.profiler windows (profiler.py); the gzipped Chrome trace of each is in blobs/.
         "profile_windows": [
             Column("window", "i4"),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .captures import trigger
+from .fingerprint import device_fingerprints, pieces_to_int64
 from .histograms import N_BINS
 from .nan_origin import loss_is_bad
 from .stats import Packer
@@ -25,6 +26,7 @@ class StepRows:
         self.captures, self.schedule, self.writer = captures, schedule, writer
         self._params = params
         self.device = device  # the model's, as of the last recorded step
+        self.fingerprint_every = 0  # (recorder.py sets it from the config)
         self.loss_given = False
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
@@ -37,7 +39,8 @@ class StepRows:
         as it can: the loss's one transfer, a row of host values; the writer thread makes
         float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
         next_update = self.planner.next_update
-        if (watched or self.profiler.prof is not None or step == next_update
+        fp = self.fingerprint_every
+        if (watched or self.profiler.prof is not None or step == next_update or (fp and step % fp == 0)
                 or step + 1 == next_update or step >= self.activity.last_step):  # (window_ends)
             return False
         norms = self.norms.cached()
@@ -76,6 +79,9 @@ class StepRows:
             if window_ends:
                 self.activity.pack(pk)
             self.attention.pack(pk)
+            fingerprint = self.fingerprint_every and step % self.fingerprint_every == 0 and self._params
+            if fingerprint:
+                pk.add("fingerprint", device_fingerprints(self._params))
             if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
                 if pk.empty:
                     loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
@@ -109,6 +115,8 @@ class StepRows:
                 rows["loss_checks"] = checks
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
+        if fingerprint:
+            rows["fingerprints"] = {"step": step, "bits": pieces_to_int64(host["fingerprint"])}
         rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
         if window_ends:
             rows["activity"] = self.activity.finish_window(step, host)

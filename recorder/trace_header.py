@@ -21,6 +21,13 @@ from .memory import RSS_SOURCE
 from .schema import FORMAT_NAME, SCHEMA_VERSION
 
 _MAX_SUMMARY_CHARS = 65536
+# PyTorch's NCCL flight recorder (its ring buffer of collectives, dumped on a timeout): the
+# settings it reads from the environment. A trace keeps them so that the report can say where
+# the job's dumps went (the analyzer never opens them: they are pickles).
+NCCL_FLIGHT_RECORDER_ENV = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+                            "TORCH_NCCL_TRACE_CPP_STACK", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_ENABLE_MONITORING")
 
 
 def trace_header(model, param_names: list[str], params: list, watcher, config, rank: int, world_size: int,
@@ -46,6 +53,7 @@ def trace_header(model, param_names: list[str], params: list, watcher, config, r
         "n_parameters": int(sum(p.numel() for p in params)),
         "config": json.dumps(config.as_dict(), sort_keys=True),
         "command": " ".join(sys.argv)[:4096],
+        "nccl_env": json.dumps({k: os.environ[k][:512] for k in NCCL_FLIGHT_RECORDER_ENV if k in os.environ}),
         "closed": False,
     }
     static = {  # name: (values, dtype)

@@ -9,6 +9,8 @@ recorded one (tests/analyzer/test_tracebuilder_format.py compares the two):
     b.set("params/grad_norm", 1e4, at=slice(60, None), col="4.weight")
     b.set("steps/nonfinite_origin", 2, at=37)       # a module index, as the recorder writes it
     b.activations(range(0, 100, 10), absmax={"4": 1.0})
+    b.fingerprints([0, 50], {"0.weight": [7, 8]})    # replicas' parameter checksums (int64)
+    b.heartbeats([{"time_unix": 1.7e9 + 60, "step": 100, "phase": "backward", "step_s": 50.0}])  # a stall
     b.write(tmp_path)                               # tmp_path/rank0.h5
     findings(tmp_path, "exploding_gradients")       # the real analyzer's findings of one kind
 
@@ -60,13 +62,19 @@ LAYOUT: dict[str, list[tuple]] = {
     "loss_checks": [("step", "i8"), ("outputs_nonfinite", "i1"), ("ops", "str")],
     "hyperparams": [("step", "i8"), ("optimizer", "i4"), ("group", "i4"), ("name", "str"), ("value", "f8")],
     "optimizers": [("optimizer", "i4"), ("class", "str"), ("first_step", "i8")],
+    # Written only while steps stop coming (the recorder's heartbeat thread): a stall or a hang.
+    "heartbeats": [("time_unix", "f8"), ("step", "i8"), ("phase", "str"), ("phase_s", "f4"), ("step_s", "f4"),
+                   ("typical_step_s", "f4"), ("stack", "str")],
+    # Every fingerprint_every steps: per parameter, an exact int64 checksum of its bits.
+    "fingerprints": [("step", "i8"), ("bits", "i8", P)],
 }
+HEARTBEAT_PHASES = ("data", "forward", "backward", "recorder", "between_steps")
 PER_STEP = ("steps", "params", "modules")
 # Per-step columns whose "nothing happened" value is 0, not the -1 / NaN of "not measured".
 _ZERO = {"steps/loss_given", "steps/batch_nonfinite", "params/grad_nonfinite"}
 # The recorder's options the analyzer reads (its defaults); config={} reads as an older recorder.
 DEFAULT_CONFIG = {"activations_every": 10, "activity_window": 50, "attention_every": 10, "census_every": 50,
-                  "update_ratio_every": 10, "watch_warmup": 100}
+                  "update_ratio_every": 10, "watch_warmup": 100, "fingerprint_every": 100, "heartbeat_s": 5.0}
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -299,6 +307,37 @@ class TraceBuilder:
             self.rows["attention"].append(row)
         return self
 
+    # -- many ranks: hangs and replicas ------------------------------------------------------
+    def heartbeats(self, rows) -> "TraceBuilder":
+        """Heartbeat rows (a stall: no step came for a while), each a dict of ``time_unix``,
+        ``step`` (in progress), ``phase`` (one of HEARTBEAT_PHASES), ``phase_s``, ``step_s``,
+        ``typical_step_s`` (NaN if not given) and ``stack``: "" (not sampled, or unchanged since
+        the last sample, as the recorder writes it), a JSON string, or a list of [filename,
+        lineno, function, code_line] frames, innermost last."""
+        for r in rows:
+            r = dict(r)
+            if r.get("phase") not in HEARTBEAT_PHASES:
+                raise ValueError(f"heartbeat phase must be one of {HEARTBEAT_PHASES}, got {r.get('phase')!r}")
+            stack = r.get("stack", "")
+            if not isinstance(stack, str):
+                r["stack"] = json.dumps([[str(f), int(n), str(fn), str(code)] for f, n, fn, code in stack])
+            self.row("heartbeats", **r)
+        return self
+
+    def fingerprints(self, steps, bits) -> "TraceBuilder":
+        """Replica fingerprints at ``steps``: ``bits`` (rows x parameters) int64 checksums, or
+        {param: one value, or one per row} with every other parameter 0."""
+        steps = [int(s) for s in steps]
+        if isinstance(bits, dict):
+            arr = np.zeros((len(steps), len(self.params)), dtype=np.int64)
+            for name, v in bits.items():
+                arr[:, self.params.index(name)] = np.broadcast_to(np.asarray(v, dtype=np.int64), (len(steps),))
+        else:
+            arr = np.asarray(bits, dtype=np.int64).reshape(len(steps), len(self.params))
+        for k, s in enumerate(steps):
+            self.rows["fingerprints"].append({"step": s, "bits": arr[k]})
+        return self
+
     # -- the file ---------------------------------------------------------------------------
     def without(self, *names: str) -> "TraceBuilder":
         """Leave datasets ("steps/lr") or whole tables ("activity") out, as older traces do."""
@@ -322,6 +361,7 @@ class TraceBuilder:
             "model_class": model, "model_summary": f"{model}(synthetic)",
             "n_parameters": sum(int(np.prod(s)) for s in self.shapes),
             "config": json.dumps(self.config, sort_keys=True), "command": "tests/tracebuilder.py",
+            "nccl_env": "{}",
             "closed": True, "end_reason": "closed",
             "end_unix": float(np.nanmax(self.cols["steps/time_s"], initial=start)),
             "n_steps_recorded": len(self.steps), "attempt": 1, "previous_file": "", "dropped_steps": 0, **self.meta,
@@ -384,7 +424,8 @@ class TraceBuilder:
             maxshape, chunks = (None, None), (128, 32)
         else:
             w = len(self.params) if width == P else len(self.modules)
-            arr = np.asarray(data, dtype=np.float64).reshape(len(data), w)
+            # (int64 checksums stay exact: not through float64)
+            arr = np.asarray(data, dtype=np.float64 if dtype[0] == "f" else np.int64).reshape(len(data), w)
             item = np.dtype(dtype).itemsize
             maxshape = (None, w or None)
             chunks = (int(max(16, min(4096, 32 * 1024 // max(1, w * item)))), max(1, w))

@@ -1,0 +1,102 @@
+"""The heartbeat: what the training thread is doing when steps stop coming (a hang, a stall).
+
+A daemon thread wakes every ``heartbeat_s`` seconds. While steps come, it writes nothing (the
+steps table shows the job alive). When no rec.step() came since its last wake, it writes a row:
+the time, the step in progress, its phase (waiting for data, forward, backward and optimizer, the
+recorder's own work, or between steps) and for how long. Once the step in progress has taken far
+longer than usual (``stall_factor`` times the typical step, and at least two heartbeats), the row
+also holds the training thread's Python stack, sampled with ``sys._current_frames()`` (no signal,
+nothing injected: the training thread is never touched). A job stuck in a collective is blocked
+in C code that released the GIL, so this thread still runs; a job killed then by a timeout leaves
+its last rows, which the writer flushes every ``flush_every_s``.
+
+The phase is read from what the recorder's hooks already keep (the forward's start and end,
+DataLoader.__next__, rec.step()): nothing is added to a step."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+
+from . import functional
+
+MAX_FRAMES = 40  # innermost frames kept of a stack sample
+_EMA = 0.2  # weight of the newest interval in the typical step time
+
+
+def phase_of(rec) -> tuple[str, float | None]:
+    """(phase, when it began on the perf_counter clock, or None) of the training thread now."""
+    if rec._in_step_since is not None:
+        return "recorder", rec._in_step_since
+    since = functional.loader_since()
+    if since is not None:
+        return "data", since
+    w = rec.watcher
+    start, end = (w.t_forward_start, w.t_forward_end) if w is not None else (None, None)
+    if start is not None and end is None:
+        return "forward", start
+    if end is not None:
+        return "backward", end
+    return "between_steps", rec.clock.t_step_end
+
+
+def stack_of(thread_id: int) -> str:
+    """The thread's Python stack as JSON [[file, line, function, code], ...], innermost last."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return ""
+    frames = traceback.extract_stack(frame)[-MAX_FRAMES:]
+    return json.dumps([[f.filename, f.lineno or 0, f.name, (f.line or "")[:200]] for f in frames])
+
+
+class Heartbeat:
+    def __init__(self, rec, every_s: float, stall_factor: float):
+        self._rec = rec
+        self.every_s = every_s
+        self.stall_factor = stall_factor
+        self._thread_id = threading.get_ident()  # the training thread: the one that made the Recorder
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchautopsy-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        rec = self._rec
+        seen_step, seen_at, seen_end = rec._step, time.perf_counter(), None
+        typical = None  # seconds per step, between the ends of steps seen by the heartbeat
+        last_stack = None
+        while not self._stop.wait(self.every_s):
+            try:
+                now = time.perf_counter()
+                step = rec._step
+                if step != seen_step:
+                    end = rec.clock.t_step_end
+                    if seen_end is not None and end is not None and end > seen_end:
+                        per_step = (end - seen_end) / max(1, step - seen_step)
+                        typical = per_step if typical is None else (1 - _EMA) * typical + _EMA * per_step
+                    seen_step, seen_at, seen_end, last_stack = step, now, end, None
+                    continue
+                if not rec._active:
+                    return
+                phase, since = phase_of(rec)
+                step_began = rec.clock.t_step_end
+                step_s = now - step_began if step_began is not None else now - seen_at
+                if step_s < max(self.every_s, 2 * typical if typical else 0.0):
+                    continue  # (a slow step, not yet overdue: steps longer than a heartbeat write nothing)
+                stall_after = max(2 * self.every_s, self.stall_factor * typical if typical else 0.0)
+                stack = ""
+                if step_s >= stall_after:
+                    sampled = stack_of(self._thread_id)
+                    if sampled != last_stack:  # (a stack that did not change is written once)
+                        stack = last_stack = sampled
+                row = {"time_unix": time.time(), "step": step, "phase": phase,
+                       "phase_s": now - since if since is not None else float("nan"),
+                       "step_s": step_s, "typical_step_s": typical if typical else float("nan"), "stack": stack}
+                rec.writer.put_task(lambda _w, row=row: {"heartbeats": row})
+            except Exception:  # (the heartbeat never disturbs the job; the trace just lacks its rows)
+                return
