@@ -26,6 +26,7 @@ from .display import shorten_words
 from .errors import ConfigError, TraceError
 from .export import ExportError
 from .output import STDOUT, check_outputs, write_output, write_stdout
+from .parallel import workers_for
 from .run import analyze as run_detectors
 from .trace import Trace, load
 
@@ -216,7 +217,8 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     progress = _Progress(trace)
     try:
         progress(0, 1, "running the detectors")
-        findings = run_detectors(trace, cfg)
+        findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)),
+                                 progress=lambda done, total: progress(done, total, f"ranks analyzed: {done:,} of {total:,}"))
     finally:
         progress.close()
 

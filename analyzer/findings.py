@@ -21,6 +21,8 @@ class Evidence(TypedDict, total=False):
     attempt: int  # a restarted rank: the attempt the finding is in (run.py)
     file: str  # ... and that attempt's file
     rerun_from_step: int  # ... and the step a later attempt resumed at, if it ran this one again
+    ranks: list  # a many-rank run: every rank that showed it, the finding being the first's (cross_rank/merge.py)
+    step_by_rank: dict  # ... and the step each showed it at, where they differ
 
 
 def evidence_keys(evidence_type) -> frozenset[str]:

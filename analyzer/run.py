@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import replace
+from functools import partial
 
 from .config import AnalysisConfig
+from .cross_rank import CROSS_DETECTORS
+from .cross_rank.digest import RankDigest, digest_of
+from .cross_rank.merge import merge
 from .detectors import DETECTORS
 from .errors import TraceError
 from .findings import Evidence, Finding, not_checked, sort_findings
+from .parallel import per_rank
 from .trace import Trace
 
 
@@ -26,8 +31,15 @@ RUNNER_EVIDENCE = {"analyzer_error": AnalyzerErrorEvidence, "unreadable_rank": U
                    "mixed_runs": Evidence}
 
 
-def analyze(trace: Trace, cfg: AnalysisConfig | None = None) -> list[Finding]:
-    """All findings of all detectors on all ranks, most severe and earliest first.
+def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
+            progress=None) -> list[Finding]:
+    """All findings of all detectors on all ranks, one per event, most severe and earliest first.
+
+    Each rank is read alone, in ``workers`` worker processes (parallel.py; the CLI uses one per
+    CPU; from a script of your own, under ``if __name__ == "__main__":``, as multiprocessing
+    needs): its detectors' findings and its digest come back. The ranks' findings are merged, one per
+    event with its ranks listed (cross_rank/merge.py); then the cross-rank detectors judge the
+    digests together (cross_rank/). ``trace.digests`` keeps the digests for the report.
 
     A detector that crashes does not stop the others: its crash becomes an ``error`` finding of
     kind ``analyzer_error`` that names the detector, so a bug in us is never taken for a clean run.
@@ -44,32 +56,54 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None) -> list[Finding]:
         if kind == "mixed_runs":  # (a changed world size is a note only: elastic jobs do that)
             findings.append(Finding("mixed_runs", "warning", None, [], note, {},
                                     "Give each run a directory of its own; a restarted job keeps its run's."))
-    for rank, attempts in trace.attempts.items():
-        # One file: as it always was. Several: each attempt, its findings labelled.
-        units = [(trace.ranks[rank], None)] if len(attempts) == 1 and attempts[0].number == 1 else \
-            [(a.trace, a) for a in attempts]
-        for rt, attempt in units:
-            for det in DETECTORS:
-                try:
-                    lacking = [name for name in det.REQUIRES if rt.lacks(name)]
-                    found = _not_checked(det.KIND, lacking) if lacking else det.detect(rt, getattr(cfg, det.KIND))
-                except TraceError:
-                    raise
-                except Exception as e:
-                    found = [Finding(
-                        "analyzer_error", "error", None, [],
-                        f"The {det.KIND} detector failed on rank {rank}: {type(e).__name__}: {e}",
-                        {"detector": det.KIND, "traceback": traceback.format_exc(limit=5)},
-                        "This is a bug in torchautopsy; please report it with this trace.",
-                    )]
-                findings.extend(_of_attempt(replace(f, rank=rank), attempt) for f in found)
+    results = per_rank(trace, partial(rank_pass, cfg=cfg), workers, progress)
+    findings.extend(merge([f for found, _ in results.values() for f in found], trace.ranks))
+    digests = {r: d for r, (_, d) in results.items() if d is not None}
+    trace.digests = digests
+    for det in CROSS_DETECTORS:
+        findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(digests, getattr(cfg, det.KIND), trace)))
     return sort_findings(findings)
 
 
-def checked_kinds(findings: list[Finding]) -> tuple[str, ...]:
-    """The kinds every detector could judge: all but those that said "not checked"."""
+def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Finding], RankDigest | None]:
+    """One rank's findings (every per-rank detector, on each attempt of a restarted rank) and digest."""
+    attempts = trace.attempts[rank]
+    # One file: as it always was. Several: each attempt, its findings labelled.
+    units = [(trace.ranks[rank], None)] if len(attempts) == 1 and attempts[0].number == 1 else \
+        [(a.trace, a) for a in attempts]
+    findings = []
+    for rt, attempt in units:
+        for det in DETECTORS:
+            lacking = [name for name in det.REQUIRES if rt.lacks(name)]
+            found = _not_checked(det.KIND, lacking) if lacking else \
+                _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
+            findings.extend(_of_attempt(replace(f, rank=rank), attempt) for f in found)
+    digest = []
+    findings.extend(_guarded("cross_rank", f"rank {rank}", lambda: digest.append(digest_of(trace.ranks[rank])) or []))
+    return findings, (digest[0] if digest else None)
+
+
+def _guarded(kind: str, on: str, run) -> list[Finding]:
+    """run()'s findings; a crash (not a TraceError: unusable input stops the analysis) as one finding."""
+    try:
+        return run()
+    except TraceError:
+        raise
+    except Exception as e:
+        return [Finding(
+            "analyzer_error", "error", None, [],
+            f"The {kind} detector failed on {on}: {type(e).__name__}: {e}",
+            {"detector": kind, "traceback": traceback.format_exc(limit=5)},
+            "This is a bug in torchautopsy; please report it with this trace.",
+        )]
+
+
+def checked_kinds(findings: list[Finding], n_ranks: int = 1) -> tuple[str, ...]:
+    """The kinds every detector could judge: all but those that said "not checked", and those
+    that need more ranks than the run has."""
     skipped = {f.kind for f in findings if not_checked(f)}
-    return tuple(d.KIND for d in DETECTORS if d.KIND not in skipped)
+    return tuple(d.KIND for d in (*DETECTORS, *CROSS_DETECTORS)
+                 if d.KIND not in skipped and n_ranks >= getattr(d, "MIN_RANKS", 1))
 
 
 def _not_checked(kind: str, lacking: list[str]) -> list[Finding]:

@@ -24,6 +24,8 @@ class Trace:
         self.attempts = attempts if attempts is not None else {r: [Attempt(1, rt, rt.n_steps)]
                                                                for r, rt in self.ranks.items()}
         self.notes = list(notes or [])
+        # rank -> its cross-rank digest (analyzer/cross_rank/digest.py), set by the analysis
+        self.digests: dict | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -75,9 +77,13 @@ def load(run_dir) -> Trace:
     ``Trace.unreadable``.
     """
     run_dir = os.fspath(run_dir)
+    return load_files(run_dir, trace_files(run_dir))
+
+
+def load_files(run_dir: str, files: list[str], died_starting: bool = True) -> Trace:
+    """load() of these rank files of ``run_dir`` (a worker reads one rank's: analyzer/parallel.py)."""
     traces: list[RankTrace] = []
     unreadable: dict[str, str] = {}
-    files = trace_files(run_dir)
     first_error = None
     for p in files:
         try:
@@ -87,6 +93,7 @@ def load(run_dir) -> Trace:
             unreadable[p] = str(e)
     if not traces:
         raise first_error
-    unreadable.update({os.path.join(run_dir, n): why for n, why in _died_starting(run_dir).items()})
+    if died_starting:
+        unreadable.update({os.path.join(run_dir, n): why for n, why in _died_starting(run_dir).items()})
     ranks, attempts, notes = group(traces)
     return Trace(run_dir, shards.combine(ranks), unreadable, attempts, notes)

@@ -1,0 +1,109 @@
+"""What each rank contributes to the cross-rank analysis: a few per-step series and its end,
+computed where the rank is read (a worker process, analyzer/parallel.py), small enough for the
+parent to hold every rank's at once (10,000 steps: ~0.4 MB a rank). The rank's own tables are
+never sent: the parent never holds all ranks' tables."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..trace.rank import RankTrace
+
+# The step's phases as the recorder splits a step's wall time (steps/*_s), in the order they run.
+# "data" is inside "between_steps" in the file (the wait in DataLoader.__next__); here it is apart.
+PHASE_COLUMNS = {"data": "data_wait_s", "between_steps": "between_steps_s", "forward": "forward_s",
+                 "backward": "backward_s", "recorder": "recorder_s"}
+MAX_HEARTBEATS = 50  # the last rows of a rank's heartbeats kept
+
+
+@dataclass
+class RankDigest:
+    rank: int
+    file: str
+    world_size: int
+    steps: np.ndarray  # step numbers (int64)
+    time_unix: np.ndarray  # when each step's rec.step() ran
+    loss: np.ndarray
+    phases: dict[str, np.ndarray]  # PHASE_COLUMNS' keys -> seconds (NaN: not seen); data apart from between
+    grad_norm: np.ndarray  # total gradient L2 norm
+    memory: np.ndarray  # bytes: CUDA peak of the step if measured, else resident memory
+    memory_kind: str  # "cuda_peak" | "rss"
+    replicated: bool  # every parameter whole on this rank (DDP), so fingerprints compare
+    param_names: list[str]
+    fp_steps: np.ndarray  # steps with fingerprints
+    fp_hash: np.ndarray  # one hash (int64) of each fingerprint row
+    closed_cleanly: bool
+    end_reason: str
+    heartbeats: list[dict] = field(default_factory=list)  # the last ones: step, phase, time_unix, ...
+    last_stack: list | None = None  # the last stack a heartbeat sampled (frames, innermost last)
+    last_stack_step: int | None = None
+    nccl_env: dict = field(default_factory=dict)
+    oom_step: int | None = None  # the step that ran out of memory (oom_events), if any
+    heartbeat_s: float = 0.0  # the recorder's heartbeat interval (0: none, or an older recorder)
+
+    @property
+    def step_s(self) -> np.ndarray:
+        """Each step's wall time: between steps (data wait included), forward, backward, recorder."""
+        p = self.phases
+        parts = [p["between_steps"] + np.nan_to_num(p["data"]), p["forward"], p["backward"], p["recorder"]]
+        return np.nansum(np.vstack(parts), axis=0) if len(self.steps) else np.zeros(0)
+
+    @property
+    def last_step(self) -> int | None:
+        return int(self.steps[-1]) if len(self.steps) else None
+
+
+def digest_of(rt: RankTrace) -> RankDigest:
+    """The digest of one rank (reads its steps table, one pass over its gradient norms, its
+    fingerprints and heartbeats)."""
+    def col(name: str, dtype=np.float64) -> np.ndarray:  # (a column an older trace lacks: NaN)
+        if rt.lacks(f"steps/{name}"):
+            return np.full(rt.n_steps, np.nan, dtype=dtype)
+        return rt.columns[name].to_numpy(dtype)
+
+    phases = {k: col(c, np.float32) for k, c in PHASE_COLUMNS.items()}
+    # The file's between_steps_s includes the data wait: apart here, so each phase is its own.
+    phases["between_steps"] = np.where(np.isnan(phases["data"]), phases["between_steps"],
+                                       phases["between_steps"] - np.nan_to_num(phases["data"]))
+    cuda = col("cuda_peak_bytes")
+    if (cuda > 0).any():
+        memory, kind = np.where(cuda >= 0, cuda, np.nan), "cuda_peak"
+    else:
+        rss = col("rss_bytes")
+        memory, kind = np.where(rss >= 0, rss, np.nan), "rss"
+    fp_steps = rt.fingerprint_steps
+    fp_hash = np.zeros(len(fp_steps), dtype=np.int64)
+    if len(fp_steps):
+        bits = rt.fingerprint_rows()
+        fp_hash = np.array([int.from_bytes(hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=8)
+                                           .digest(), "little", signed=True) for row in bits], dtype=np.int64)
+    hb = rt.heartbeats
+    beats, stack, stack_step = [], None, None
+    if len(hb):
+        with_stack = [i for i, s in enumerate(hb["stack"]) if s is not None]
+        if with_stack:
+            stack, stack_step = hb["stack"].iloc[with_stack[-1]], int(hb["step"].iloc[with_stack[-1]])
+        tail = hb.iloc[-MAX_HEARTBEATS:]
+        beats = [{"time_unix": float(t), "step": int(s), "phase": p, "phase_s": float(ps), "step_s": float(ss),
+                  "typical_step_s": float(ty)}
+                 for t, s, p, ps, ss, ty in zip(tail["time_unix"], tail["step"], tail["phase"], tail["phase_s"],
+                                                tail["step_s"], tail["typical_step_s"])]
+    ooms = rt.oom_events
+    return RankDigest(
+        rank=int(rt.rank), file=rt.path, world_size=int(rt.meta.get("world_size", 1) or 1),
+        steps=np.asarray(rt.step_index, dtype=np.int64), time_unix=col("time_s"),
+        loss=col("loss"), phases=phases,
+        grad_norm=np.asarray(rt.digest.total_grad_norm, dtype=np.float64), memory=memory, memory_kind=kind,
+        replicated=bool((rt.param_shards == 1).all()), param_names=list(rt.param_names),
+        fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
+        end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
+        last_stack_step=stack_step, nccl_env=rt.nccl_env,
+        oom_step=int(ooms["step"].min()) if len(ooms) else None,
+        heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")))
+
+
+def _seconds(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v >= 0 else 0.0

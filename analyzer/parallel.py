@@ -1,0 +1,63 @@
+"""The per-rank pass of a many-rank run: each rank read, its detectors run and its digest made
+in a worker process, a rank at a time per worker.
+
+A worker opens one rank's files (its attempts), runs every per-rank detector on it and returns
+its findings and its digest (cross_rank/digest.py), then lets the rank go: a worker's memory is
+one rank's, whatever the number of ranks, and the parent holds only findings and digests.
+Workers are spawned (not forked): the parent may hold HDF5 state and threads that a fork would
+copy half-way. A run whose parameters are sharded (FSDP2) is read in one process: its
+whole-parameter figures combine every rank's shards (trace/shards.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from .cross_rank.digest import RankDigest
+from .findings import Finding
+from .trace import Trace
+from .trace.run_dir import load_files
+from .trace.shards import WholeParams
+
+# A rank's findings and digest (None: the digest could not be made; a finding says why).
+RankResult = tuple[list[Finding], RankDigest | None]
+
+
+def workers_for(n_ranks: int) -> int:
+    """Worker processes for n ranks: one per CPU this process may use (at most 32), none for one rank."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS, Windows)
+        cpus = os.cpu_count() or 1
+    return max(1, min(n_ranks, cpus, 32))
+
+
+def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], workers: int = 1,
+             progress: Callable[[int, int], None] | None = None) -> dict[int, RankResult]:
+    """{rank: rank_pass(that rank's trace, rank)} for every rank, in worker processes where that
+    pays (several ranks, not sharded)."""
+    ranks = list(trace.attempts)
+    n = min(workers, len(ranks))
+    sharded = any(isinstance(rt, WholeParams) for rt in trace.ranks.values())
+    results: dict[int, RankResult] = {}
+    if n <= 1 or len(ranks) < 2 or sharded:
+        for done, r in enumerate(ranks):
+            results[r] = rank_pass(trace, r)
+            if progress:
+                progress(done + 1, len(ranks))
+        return results
+    files = {r: [a.trace.path for a in trace.attempts[r]] for r in ranks}
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass): r for r in ranks}
+        for done, fut in enumerate(as_completed(futures)):
+            results[futures[fut]] = fut.result()  # (a TraceError raised there is raised here: one line, exit 2)
+            if progress:
+                progress(done + 1, len(ranks))
+    return dict(sorted(results.items()))
+
+
+def _one_rank(run_dir: str, files: list[str], rank: int, rank_pass) -> RankResult:
+    """In a worker: one rank's files read as a run of one rank, then its pass."""
+    return rank_pass(load_files(run_dir, files, died_starting=False), rank)
