@@ -14,7 +14,7 @@ from ..analyzer.config import AnalysisConfig
 from ..analyzer.findings import Finding, sort_findings
 from ..analyzer.restarts import attempt_view
 from ..analyzer.trace import Trace
-from . import appendix, distributions, overview
+from . import appendix, distributions, overview, ranks
 from .context import Context, no_figure
 from .format import bounded, evidence_rows, shorten
 from .model import Figure, FindingView, Report, Table
@@ -57,6 +57,10 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             name, lambda: overview.build(ctx, name))] if f is not None)))
     tasks.append(("overview: distributions", lambda: overview_figs.extend(_safe_figures(
         "distributions", lambda: distributions.figures(ctx) + distributions.snapshot_figures(ctx)))))
+    rank_figs: list[Figure] = []
+    rank_table: list[Table] = []
+    tasks.append(("ranks", lambda: rank_figs.extend(_safe_figures("ranks", lambda: ranks.figures(ctx)))))
+    tasks.append(("ranks: how each ends", lambda: rank_table.extend(t for t in [ranks.end_table(ctx)] if t)))
     tables: list[Table] = []
     tasks.append(("appendix: parameters", lambda: tables.append(appendix.parameter_table(ctx))))
     tasks.append(("appendix: modules", lambda: tables.append(appendix.module_table(ctx))))
@@ -101,6 +105,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
         tables=tables,
         recorded=appendix.recorded(ctx),
         model_summary="",
+        ranks=tuple(rank_figs),
+        rank_table=rank_table[0] if rank_table else None,
     ))
     return replace(report, model_summary=appendix.model_summary(ctx))
 

@@ -104,3 +104,5 @@ class Report:
     tables: list[Table]  # appendix: last recorded statistics per layer
     recorded: list[Recorded]  # appendix: what the trace holds and what it does not
     model_summary: str
+    ranks: tuple = ()  # figures of the ranks side by side (a many-rank run; ranks.py)
+    rank_table: Table | None = None  # how each rank's trace ends, when some did not close

@@ -19,6 +19,7 @@ HEATMAP_COLS = 400
 # The timeline: at most this many findings (the most severe first, as the report lists them).
 TIMELINE_ROWS = 30
 MIB = 2**20
+MAX_RANK_LINES = 6  # a line per rank up to this many ranks; more: the median rank and the odd ones
 
 # name -> builder; the overview shows them in this order.
 FIGURES = ("loss", "learning_rate", "loss_scale", "grad_heatmap", "update_ratios", "memory", "step_time", "timeline")
@@ -35,6 +36,8 @@ def _loss(ctx: Context) -> Figure:
     title = "Loss"
     multi = len(ctx.trace.ranks) > 1
     losses = {(f"rank {r}" if multi else "loss"): rt.columns["loss"] for r, rt in ctx.trace.ranks.items()}
+    if len(losses) > MAX_RANK_LINES:  # many ranks: the median rank's, and the ranks the findings name
+        losses = _median_and_odd(ctx, {r: rt.columns["loss"] for r, rt in ctx.trace.ranks.items()}, "")
     losses.update(rerun_losses(ctx.trace))  # a restarted job: the steps a later attempt ran again
     if not any(np.isfinite(s.to_numpy()).any() for s in losses.values()):
         return no_figure(title, "No finite loss was recorded (was rec.step() called with loss=?).")
@@ -152,14 +155,20 @@ def _memory(ctx: Context) -> Figure:
     title = "Memory"
     series = {}
     multi = len(ctx.trace.ranks) > 1
-    for r, rt in ctx.trace.ranks.items():
-        df = rt.columns
-        x = df.index.to_numpy()
-        for col, label in (("rss_bytes", "resident (RSS)"), ("cuda_allocated_bytes", "CUDA allocated"),
-                           ("cuda_reserved_bytes", "CUDA reserved")):
-            y = df[col].to_numpy(dtype=float)
-            if (y >= 0).any():
-                series[f"rank {r} {label}" if multi else label] = (x, np.where(y >= 0, y / MIB, np.nan))
+    many = len(ctx.trace.ranks) > MAX_RANK_LINES
+    for col, label in (("rss_bytes", "resident (RSS)"), ("cuda_allocated_bytes", "CUDA allocated"),
+                       ("cuda_reserved_bytes", "CUDA reserved")):
+        by_rank = {}
+        for r, rt in ctx.trace.ranks.items():
+            y = rt.columns[col]
+            if (y.to_numpy() >= 0).any():
+                by_rank[r] = y.where(y >= 0) / MIB
+        if many and by_rank:  # the median rank's, the largest, and the ranks the findings name
+            for name, y in _median_and_odd(ctx, by_rank, f" {label}", largest=True).items():
+                series[name] = (y.index.to_numpy(), y.to_numpy(dtype=float))
+            continue
+        for r, y in by_rank.items():
+            series[f"rank {r} {label}" if multi else label] = (y.index.to_numpy(), y.to_numpy(dtype=float))
     if not series:
         return no_figure(title, "No memory was recorded.")
     caption = ("Memory per step, in MiB: the process's resident memory and, on a GPU, the CUDA "
@@ -172,6 +181,21 @@ def _memory(ctx: Context) -> Figure:
     if ctx.marks():
         caption += " Dotted vertical lines mark the findings' steps (see the timeline)."
     return figure(title, caption, plots.plot_memory, series, marks=ctx.marks(labels=False), own_steps=own)
+
+
+def _median_and_odd(ctx: Context, by_rank: dict, label: str, largest: bool = False) -> dict:
+    """Many ranks' series as a few lines: the median rank's (step by step), the largest value of
+    any rank if asked, and the ranks named by a warning or error (at most MAX_RANK_LINES - 2)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(by_rank)
+    out = {f"median of {frame.shape[1]:,} ranks{label}": frame.median(axis=1)}
+    if largest:
+        out[f"largest of any rank{label}"] = frame.max(axis=1)
+    odd = list(dict.fromkeys(f.rank for f in ctx.findings if f.rank in by_rank and f.severity != "info"))
+    for r in odd[:MAX_RANK_LINES - 2]:
+        out[f"rank {r}{label}"] = frame[r]
+    return out
 
 
 def _step_time(ctx: Context) -> Figure:

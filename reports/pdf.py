@@ -40,6 +40,7 @@ def render_pdf(report_or_trace: Report | Trace, findings: list[Finding] | None =
     pdf.r = map_strings(report, lambda text, _: pdf.drawable(text))
     pdf.header_page()
     pdf.findings()
+    pdf.ranks()
     pdf.overview()
     pdf.appendix()
     pdf.footers()
@@ -332,6 +333,16 @@ class _Doc(FPDF):
         self.add_page()
         self._heading("Overview", 1)
         for fig in self.r.overview:
+            self._figure(fig)
+
+    def ranks(self) -> None:
+        if not (self.r.ranks or self.r.rank_table):
+            return
+        self.add_page()
+        self._heading("Ranks", 1)
+        if self.r.rank_table:
+            self._table(self.r.rank_table)
+        for fig in self.r.ranks:
             self._figure(fig)
 
     def appendix(self) -> None:

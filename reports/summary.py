@@ -40,7 +40,7 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     problems = [f for f in findings if f.severity in PROBLEM_SEVERITIES]
     notes = len(findings) - len(problems)
     if not problems:
-        return Verdict("ok", "No problem found", (), checked_kinds(findings), 0, notes, None)
+        return Verdict("ok", "No problem found", (), checked_kinds(findings, n_ranks), 0, notes, None)
     worst = "error" if any(f.severity == "error" for f in problems) else "warning"
     counts = [plural(sum(f.severity == s for f in problems), s) for s in PROBLEM_SEVERITIES
               if any(f.severity == s for f in problems)]
@@ -71,7 +71,7 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     on = f" on rank {head_f.rank}" if n_ranks > 1 and head_f.rank is not None else ""
     headline = f"{', '.join(counts)}; first to go wrong: {head_f.kind}{at}{on}"
     anchor = (anchors or {}).get(id(head_f))
-    return Verdict(worst, headline, tuple(sentences), checked_kinds(findings), len(problems), notes, anchor,
+    return Verdict(worst, headline, tuple(sentences), checked_kinds(findings, n_ranks), len(problems), notes, anchor,
                    fix=first_fix(head_f.advice))
 
 

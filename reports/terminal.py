@@ -24,6 +24,7 @@ import numpy as np
 from ..analyzer.display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored, fired_blackbox
+from ..analyzer.cross_rank.merge import rank_set
 from ..analyzer.findings import SEVERITIES, Finding, first_to_go_wrong
 from ..analyzer.restarts import attempt_lines, blackbox_lines, restart_lines
 from ..analyzer.run import checked_kinds
@@ -61,12 +62,16 @@ def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -
     yield wrap(f"torchautopsy: {trace.run_dir}: {run_line(trace)}")
     for line in restart_lines(trace):  # a job restarted into the directory (restarts.py)
         yield wrap(f"  {_text(line)}")
+    unclosed: dict[int, list[int]] = {}  # steps flushed -> the ranks that did not close their traces
     for rt in trace.ranks.values():
         if not rt.closed_cleanly:
-            yield wrap(f"  note: rank {rt.rank} did not close its trace (job killed?); "
-                       f"analyzed the {rt.n_steps:,} steps it flushed")
+            unclosed.setdefault(rt.n_steps, []).append(rt.rank)
+    for n, ranks in sorted(unclosed.items()):
+        who = rank_set(ranks, list(trace.ranks))
+        yield wrap(f"  note: {who} did not close {'its trace' if len(ranks) == 1 else 'their traces'} (job killed?); "
+                   f"analyzed the {n:,} steps {'it' if len(ranks) == 1 else 'each'} flushed")
     if not any(f.severity in _PROBLEMS for f in findings):
-        yield style.verdict(wrap(f"No problem found (checked: {', '.join(checked_kinds(findings))})."))
+        yield style.verdict(wrap(f"No problem found (checked: {', '.join(checked_kinds(findings, len(trace.ranks)))})."))
     for f in findings:
         yield finding_line(f, style)
     first = first_to_go_wrong(findings)

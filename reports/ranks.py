@@ -1,0 +1,203 @@
+"""The report's section on the ranks of a many-rank run: ranks x steps pictures of own work,
+waiting, loss, gradient norm and memory, each rank against the median rank at each step, so that
+the odd rank stands out; and how each rank's trace ends (where the hung rank stopped)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import warnings
+
+import numpy as np
+
+from ..analyzer.cross_rank.aligned import common_steps, matrix
+from ..analyzer.cross_rank.digest import RankDigest, digest_of
+from ..analyzer.cross_rank.hang import where_stopped
+from ..analyzer.cross_rank.merge import rank_set
+from ..analyzer.trace.liveness import PHASES
+from . import plots
+from .context import Context, figure, no_figure
+from .model import Figure, Table
+from .rank_plots import plot_rank_heatmap
+
+MAX_ROWS = 96  # ranks drawn one row each; more are grouped (the most deviating value of a group)
+MAX_COLS = 400
+MAX_TABLE_ROWS = 40
+
+
+def digests(ctx: Context) -> dict[int, RankDigest]:
+    """The ranks' digests: those the analysis made, else made here (a report built alone)."""
+    if ctx.trace.digests is None:
+        ctx.trace.digests = {r: digest_of(rt) for r, rt in ctx.trace.ranks.items()}
+    return ctx.trace.digests
+
+
+def own_work(d: RankDigest) -> np.ndarray:
+    """A rank's own work per step: waiting for its data, between steps, its forward (s)."""
+    p = d.phases
+    own = np.vstack([p["data"], p["between_steps"], p["forward"]])
+    return np.where(np.isnan(own).all(axis=0), np.nan, np.nansum(own, axis=0)) if len(d.steps) else np.zeros(0)
+
+
+# (title, what it shows, series of a digest, what a coloured row means)
+PICTURES = (
+    ("Ranks: own work per step", "each rank's own work in a step (waiting for its data, between steps, its "
+     "forward)", own_work,
+     "A straggler is a red row: it takes longer than the others for its own work."),
+    ("Ranks: backward and optimizer per step", "each rank's time from the end of its forward to rec.step() "
+     "(its backward, the gradient all-reduce and the optimizer step)", lambda d: d.phases["backward"],
+     "Under data parallelism the ranks wait for a straggler in the gradient all-reduce, so their backward "
+     "grows by its delay: the straggler's row is the blue one, the rank that did not wait."),
+    ("Ranks: loss per step", "each rank's loss (its own batch)", lambda d: d.loss,
+     "A NaN in one rank's batch shows red on that rank first."),
+    ("Ranks: gradient norm per step", "the total gradient norm each rank measured", lambda d: d.grad_norm,
+     "After the all-reduce every replica holds the same gradients: rows differ only where the ranks do not "
+     "average them."),
+    ("Ranks: memory per step", "each rank's memory (the CUDA allocator's peak where measured, else its "
+     "resident memory)", lambda d: d.memory, "A rank with more memory than the others is red: it runs out first."),
+)
+
+
+def figures(ctx: Context) -> list[Figure]:
+    if len(ctx.trace.ranks) < 2:
+        return []
+    ds = digests(ctx)
+    if len(ds) < 2:
+        return [no_figure("Ranks", "Fewer than two ranks could be summarised; see the findings.")]
+    steps = np.unique(np.concatenate([d.steps for d in ds.values()]))
+    if not len(steps):
+        return [no_figure("Ranks", "No rank recorded a step.")]
+    ranks = sorted(ds)
+    points = [(ranks.index(f.rank), f.step, f.severity) for f in ctx.findings
+              if f.rank in ds and f.step is not None and f.severity != "info"]
+    out = []
+    for title, what, series, meaning in PICTURES:
+        values = matrix(ds, series, steps)
+        missing = np.isnan(matrix(ds, lambda d: np.zeros(len(d.steps)), steps))
+        if not np.isfinite(values).any():
+            out.append(no_figure(title, f"Not recorded: {what}."))
+            continue
+        dev, nonfinite = _deviation(values, missing)
+        dev, nonfinite, missing, labels, x_edges = _bucketed(dev, nonfinite, missing, ranks, steps)
+        caption = (f"One row per rank{' (groups of ranks: the most deviating of each)' if len(labels) < len(ranks) else ''}:"
+                   f" {what}, against the median rank's at the same step (white: as the median rank; red: more; "
+                   f"blue: less). {meaning} Grey: no step recorded (the rank's trace had ended). Triangles: the "
+                   f"findings of each rank.")
+        height = float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5))
+        out.append(figure(title, caption, plot_rank_heatmap, dev, nonfinite, missing, labels, x_edges,
+                          points=_grouped_points(points, len(ranks), len(labels)), cbar_label="against the median rank",
+                          height_in=height))
+    fp = _replicas(ctx, ds, ranks, points)
+    return out + ([fp] if fp is not None else [])
+
+
+def _replicas(ctx: Context, ds: dict[int, RankDigest], ranks: list[int], points) -> Figure | None:
+    """Each rank's parameters at each fingerprint step: the majority's (white) or not (red)."""
+    if not all(d.replicated and len(d.fp_steps) for d in ds.values()):
+        return None
+    steps = np.unique(np.concatenate([d.fp_steps for d in ds.values()]))
+    h = np.zeros((len(ranks), len(steps)), dtype=np.int64)
+    missing = np.ones(h.shape, dtype=bool)
+    for i, r in enumerate(ranks):
+        d = ds[r]
+        pos = np.searchsorted(steps, d.fp_steps)
+        h[i, pos], missing[i, pos] = d.fp_hash, False
+    differs = np.zeros(h.shape, dtype=bool)
+    for k in range(len(steps)):
+        present = h[~missing[:, k], k]
+        if len(present):
+            values, counts = np.unique(present, return_counts=True)
+            differs[:, k] = (h[:, k] != values[np.argmax(counts)]) & ~missing[:, k]
+    dev = np.where(differs, 4.0, 0.0)
+    dev, _, missing, labels, x_edges = _bucketed(dev, np.zeros(h.shape, dtype=bool), missing, ranks, steps)
+    title = "Ranks: replica fingerprints"
+    caption = ("One row per rank: at each step with replica fingerprints (every "
+               f"{int(np.median(np.diff(steps))) if len(steps) > 1 else 1:,} steps), whether the rank's parameters "
+               "equal the majority's bit for bit (white) or not (red). Under data parallelism every row stays white; "
+               "a red row is a replica that left the others. Grey: no fingerprint recorded.")
+    fp_points = [(i, s, sev) for i, s, sev in points
+                 if any(f.kind == "replica_divergence" and f.step == s for f in ctx.findings)]
+    return figure(title, caption, plot_rank_heatmap, dev, np.zeros(dev.shape, dtype=bool), missing, labels, x_edges,
+                  points=_grouped_points(fp_points, len(ranks), len(labels)), binary="differs from the majority",
+                  height_in=float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5)))
+
+
+def _deviation(values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """log2(value / the median rank's at that step); NaN/Inf values apart."""
+    nonfinite = ~np.isfinite(values) & ~missing
+    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        finite = np.where(np.isfinite(values), values, np.nan)
+        med = np.nanmedian(finite, axis=0)
+        dev = np.log2(np.abs(finite) / np.abs(med))
+        dev[(finite == med)] = 0.0  # (0/0: both zero)
+    return np.clip(dev, -4, 4), nonfinite
+
+
+def _bucketed(dev, nonfinite, missing, ranks, steps):
+    """At most MAX_ROWS x MAX_COLS cells, each the most deviating value it covers (no spike lost)."""
+    cols = plots.bucket_edges(len(steps), MAX_COLS)
+    rows = plots.bucket_edges(len(ranks), MAX_ROWS)
+
+    def most(a, edges, axis):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            hi, lo = np.fmax.reduceat(a, edges[:-1], axis=axis), np.fmin.reduceat(a, edges[:-1], axis=axis)
+        return np.where(np.abs(lo) > np.abs(np.nan_to_num(hi)), lo, hi)
+
+    dev = most(most(dev, cols, 1), rows, 0)
+    nonfinite = np.logical_or.reduceat(np.logical_or.reduceat(nonfinite, cols[:-1], axis=1), rows[:-1], axis=0)
+    missing = np.logical_and.reduceat(np.logical_and.reduceat(missing, cols[:-1], axis=1), rows[:-1], axis=0)
+    labels = [f"rank {ranks[a]}" if b - a == 1 else f"ranks {ranks[a]}-{ranks[b - 1]}" for a, b in zip(rows[:-1], rows[1:])]
+    x_edges = np.append(steps[cols[:-1]], steps[-1] + 1).astype(float)
+    return dev, nonfinite, missing, labels, x_edges
+
+
+def _grouped_points(points, n_ranks, n_rows):
+    if n_rows == n_ranks:
+        return points
+    edges = plots.bucket_edges(n_ranks, MAX_ROWS)
+    return [(int(np.searchsorted(edges, i, "right") - 1), s, sev) for i, s, sev in points]
+
+
+def end_table(ctx: Context) -> Table | None:
+    """How each rank's trace ends: its last step, how it ended, and where its last heartbeat found
+    it (a hang); ranks that ended alike share a row. None for one rank, or when every rank closed."""
+    if len(ctx.trace.ranks) < 2:
+        return None
+    ds = digests(ctx)
+    if all(d.closed_cleanly for d in ds.values()):
+        return None
+    cfg = ctx.cfg.hang
+    groups: dict[tuple, list[int]] = {}
+    stalled: dict[tuple, list[float]] = {}
+    for r, d in sorted(ds.items()):
+        w = where_stopped(d, cfg)
+        end = "closed" if d.closed_cleanly else (d.end_reason or "killed (not closed)")
+        last = d.last_step if d.last_step is not None else -1
+        order = (w["step"], PHASES.index(w["phase"]) if w["phase"] in PHASES else 0) if w else (last + 1, -1)
+        key = (order, last, end[:80], f"step {w['step']:,}, {w['phase']}" if w else "", w["at"] if w else "")
+        groups.setdefault(key, []).append(r)
+        stalled.setdefault(key, []).append(w["stalled_s"] if w else float("nan"))
+    rows = []
+    for key, rs in sorted(groups.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
+        s = [x for x in stalled[key] if x == x]
+        took = "" if not s else (f"{min(s):,.0f}" if round(min(s)) == round(max(s)) else f"{min(s):,.0f}-{max(s):,.0f}")
+        clock = min((_clock(ds[r]) for r in rs), default="")
+        rows.append((rank_set(rs, sorted(ds)).removeprefix("ranks ").removeprefix("rank "), f"{key[1]:,}", key[2],
+                     key[3], key[4], took, clock))
+    more = f"{len(rows) - MAX_TABLE_ROWS:,} more groups of ranks" if len(rows) > MAX_TABLE_ROWS else ""
+    return Table("How each rank's trace ends",
+                 "Ranks whose traces end alike share a row, the rank that stopped first at the top: its last "
+                 "finished step, how its trace ended, where its last heartbeat found it (the step in progress and "
+                 "its phase; the line of the job's own code its Python stack was in) and for how long that step "
+                 "had run; the time of its last step (UTC).",
+                 ("ranks", "last step", "end", "stopped in", "at", "stalled s", "last step at"),
+                 rows[:MAX_TABLE_ROWS], (False, True, False, False, False, True, False), more=more,
+                 widths=(12, 9, 22, 16, 18, 8, 15))
+
+
+def _clock(d: RankDigest) -> str:
+    t = d.time_unix[np.isfinite(d.time_unix)] if len(d.time_unix) else np.zeros(0)
+    if not len(t):
+        return ""
+    return _dt.datetime.fromtimestamp(float(t[-1]), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

@@ -1,0 +1,49 @@
+"""straggler: the slow rank's own work per step against the other ranks', and the others' wait."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...analyzer.cross_rank import straggler
+from ...analyzer.cross_rank.aligned import common_steps, matrix
+from ...analyzer.findings import Finding
+from .. import plots, ranks
+from ..context import Context, figure, no_figure
+from ..model import Figure, Text
+from ._text import num, step, text
+
+KIND = "straggler"
+
+
+def phrase(fs: list[Finding]) -> Text:
+    f = fs[0]
+    ev: straggler.Evidence = f.evidence
+    return text(f"rank {f.rank} straggled from {step(f.step)} ({num(ev.get('excess_s'))} s a step more, in "
+                f"{straggler.PHASE_WORDS.get(ev.get('phase'), 'its own work')})")
+
+
+def figure_for(ctx: Context, f: Finding) -> Figure | None:
+    title = f"Rank {f.rank}'s steps against the other ranks'"
+    ds = ranks.digests(ctx)
+    if f.rank not in ds or len(ds) < 2:
+        return no_figure(title, "The ranks' step times could not be read.")
+    steps = common_steps(ds)
+    order = sorted(ds)
+    i = order.index(f.rank)
+    own = matrix(ds, ranks.own_work, steps) * 1000
+    back = matrix(ds, lambda d: d.phases["backward"], steps) * 1000
+    others = np.delete(np.arange(len(order)), i)
+    with np.errstate(all="ignore"):
+        lines = [
+            plots.Line(f"rank {f.rank}: own work", steps, own[i], emphasis=True, color="#c62828"),
+            plots.Line("others: own work (median)", steps, np.nanmedian(own[others], axis=0), color="#616161"),
+            plots.Line("others: backward (median)", steps, np.nanmedian(back[others], axis=0),
+                       color="#1565c0", style="--"),
+            plots.Line(f"rank {f.rank}: backward", steps, back[i], color="#ef9a9a", style=":"),
+        ]
+    caption = (f"Milliseconds per step (host clock). Solid: own work (waiting for data, between steps, forward), "
+               f"rank {f.rank} in red against the median of the others in grey; dashed and dotted: the backward "
+               f"and optimizer step, in which data-parallel ranks wait for the slowest in "
+               f"the gradient all-reduce. From {step(f.step)} rank {f.rank}'s own work grows and the others' "
+               f"backward grows with it: they wait for it.")
+    return figure(title, caption, plots.plot_lines, lines, ylabel="ms", marks=ctx.marks(only=f), height_in=3.0)
