@@ -10,11 +10,13 @@ import os
 
 import pytest
 
-from torchautopsy.analyzer.detectors import DETECTORS
+from torchautopsy.analyzer.cross_rank import CROSS_DETECTORS
+from torchautopsy.analyzer.detectors import DETECTORS as PER_RANK
 from torchautopsy.analyzer.findings import Evidence, evidence_keys
 from torchautopsy.analyzer.run import RUNNER_EVIDENCE, analyze
 from torchautopsy.analyzer.trace import load
 
+DETECTORS = (*PER_RANK, *CROSS_DETECTORS)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {d.KIND: evidence_keys(d.Evidence) for d in DETECTORS} | \
     {kind: evidence_keys(t) for kind, t in RUNNER_EVIDENCE.items()}

@@ -1,0 +1,114 @@
+"""Trained by tests/integrations/test_torchrun_ranks.py under `torchrun --nproc-per-node N` (gloo,
+CPU): four failures that only a job of several ranks has, each planted on one rank.
+
+argv: scenario, run_dir, out. Every rank records (heartbeat every HEARTBEAT_S, flushed as often,
+replica fingerprints on every step) and trains a small MLP under DDP, with AdamW, on batches from
+a real DataLoader (num_workers=0) over a synthetic dataset split by a DistributedSampler.
+
+- straggler (3 ranks): from step SLOW on, rank 2's collate_fn sleeps SLOW_S: its loader is slow,
+  the others wait for it in the gradient all-reduce (their backward grows).
+- divergence (3 ranks): after the optimizer step of step DIVERGE, rank 1 adds 1e-3 to one weight
+  of PERTURBED: a silent replica divergence (DDP never broadcasts the parameters again).
+- hang (3 ranks): at step HANG, rank 1 stops before its forward (the line marked `# HANG`); the
+  others go into step HANG and wait in the gradient all-reduce of loss.backward() (`# BACKWARD`)
+  until gloo's timeout (TIMEOUT_S) raises there; they die, and torchrun then stops rank 1.
+- nan (2 ranks): a NaN in rank 1's batch of step BAD, put there by its collate_fn.
+
+Each rank that finishes writes out.rank{N} (JSON: its losses and parameter names)."""
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from torchautopsy import Recorder
+
+BATCH = 16
+STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10}
+SLOW, SLOW_S = 8, 0.15  # straggler: rank 2, from this step on, this much longer in its loader
+DIVERGE, PERTURBED = 6, "module.2.weight"  # divergence: rank 1, after this step's optimizer step
+HANG, TIMEOUT_S = 5, 8  # hang: rank 1 stops before this step's forward; the collectives' timeout
+BAD = 6  # nan: rank 1's batch of this step holds a NaN
+HEARTBEAT_S = 0.5
+
+scenario, run_dir, out = sys.argv[1:4]
+steps = STEPS[scenario]
+# The hang's job is ended as a real one is: by the collectives' timeout. The others' timeout is
+# only there so that no mistake can leave a job waiting for long.
+dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S if scenario == "hang" else 60))
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+torch.set_num_threads(1)
+
+
+class Synthetic(Dataset):
+    """x: 8 features, y: one of 4 classes, the same in every run."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(1234)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Collate:
+    """Stacks a batch; counts the batches made, and so knows the step that will train on it."""
+
+    def __init__(self):
+        self.step = -1
+
+    def __call__(self, items):
+        self.step += 1
+        x = torch.stack([item[0] for item in items])
+        y = torch.stack([item[1] for item in items])
+        if scenario == "straggler" and rank == 2 and self.step >= SLOW:
+            time.sleep(SLOW_S)  # SLOW_LOADER
+        if scenario == "nan" and rank == 1 and self.step == BAD:
+            x[0, 0] = float("nan")
+        return x, y
+
+
+data = Synthetic(world * steps * BATCH)
+loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False),
+                    collate_fn=Collate(), num_workers=0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+ddp = DistributedDataParallel(model)
+opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+# nan: activations_every=5, the NaN's step (6) is not watched, steps 0 and 5 are (as torchrun_train.py).
+# The others keep the default (steps 0 and 10 watched: a watched step's forward is slower).
+rec = Recorder(ddp, run_dir, heartbeat_s=HEARTBEAT_S, flush_every_s=HEARTBEAT_S, stall_factor=2,
+               fingerprint_every=1, activations_every=5 if scenario == "nan" else 10)
+losses = []
+for step, (x, y) in enumerate(loader):
+    if scenario == "hang" and rank == 1 and step == HANG:
+        time.sleep(3600)  # HANG
+    loss = F.cross_entropy(ddp(x), y)
+    opt.zero_grad()
+    loss.backward()  # BACKWARD
+    opt.step()
+    if scenario == "divergence" and rank == 1 and step == DIVERGE:
+        with torch.no_grad():
+            model[2].weight[0, 0] += 1e-3
+    rec.step(loss=loss)
+    losses.append(float(loss.detach()))
+rec.close()
+with open(f"{out}.rank{rank}", "w") as f:
+    json.dump({"names": [n for n, _ in ddp.named_parameters()], "losses": losses}, f)
+dist.barrier()
+dist.destroy_process_group()
+# Skip the interpreter's teardown: gloo's threads can abort it ("terminate called without an active
+# exception", pytorch#190489), after everything above is written; the test reads the files instead.
+sys.stdout.flush()
+os._exit(0)
