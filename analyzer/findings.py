@@ -23,6 +23,8 @@ class Evidence(TypedDict, total=False):
     rerun_from_step: int  # ... and the step a later attempt resumed at, if it ran this one again
     ranks: list  # a many-rank run: every rank that showed it, the finding being the first's (cross_rank/merge.py)
     step_by_rank: dict  # ... and the step each showed it at, where they differ
+    local_first: str  # ... why the rank named went first when all showed it at once (cross_rank/local.py)
+    others_memory: dict  # out of memory on one rank: how far the others were (cross_rank/memory.py)
 
 
 def evidence_keys(evidence_type) -> frozenset[str]:

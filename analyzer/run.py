@@ -9,6 +9,7 @@ from functools import partial
 from .config import AnalysisConfig
 from .cross_rank import CROSS_DETECTORS
 from .cross_rank.digest import RankDigest, digest_of
+from .cross_rank.memory import others_memory
 from .cross_rank.merge import merge
 from .detectors import DETECTORS
 from .errors import TraceError
@@ -57,9 +58,10 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
             findings.append(Finding("mixed_runs", "warning", None, [], note, {},
                                     "Give each run a directory of its own; a restarted job keeps its run's."))
     results = per_rank(trace, partial(rank_pass, cfg=cfg), workers, progress)
-    findings.extend(merge([f for found, _ in results.values() for f in found], trace.ranks))
     digests = {r: d for r, (_, d) in results.items() if d is not None}
     trace.digests = digests
+    merged = merge([f for found, _ in results.values() for f in found], trace.ranks, digests)
+    findings.extend(others_memory(f, digests) for f in merged)
     for det in CROSS_DETECTORS:
         findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(digests, getattr(cfg, det.KIND), trace)))
     return sort_findings(findings)

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ..findings import Finding, STAGES
+from .local import local_first
 
 MAX_LISTED = 8  # ranks named one by one before they are written as ranges
 
@@ -50,8 +51,9 @@ def _stage(f: Finding) -> int:
     return STAGES.index(stage) if stage in STAGES else len(STAGES)
 
 
-def merge(findings: list[Finding], all_ranks) -> list[Finding]:
-    """The findings of all ranks (each with its ``rank``), one per event."""
+def merge(findings: list[Finding], all_ranks, digests: dict | None = None) -> list[Finding]:
+    """The findings of all ranks (each with its ``rank``), one per event. With the ranks' digests,
+    ranks tied for first are told apart by what is local to each (local.py)."""
     all_ranks = sorted(set(all_ranks))
     if len(all_ranks) < 2:
         return findings
@@ -63,15 +65,22 @@ def merge(findings: list[Finding], all_ranks) -> list[Finding]:
         nth = seen[(place, f.rank)]
         seen[(place, f.rank)] += 1
         groups[(place, nth)].append(f)
-    return [_one(group, all_ranks) for group in groups.values()]
+    return [_one(group, all_ranks, digests or {}) for group in groups.values()]
 
 
-def _one(group: list[Finding], all_ranks: list[int]) -> Finding:
-    first = min(group, key=lambda f: (f.step is None, f.step or 0, _stage(f), f.rank if f.rank is not None else -1))
+def _one(group: list[Finding], all_ranks: list[int], digests: dict) -> Finding:
+    key = lambda f: (f.step is None, f.step or 0, _stage(f))  # noqa: E731
+    first = min(group, key=lambda f: (*key(f), f.rank if f.rank is not None else -1))
     ranks = sorted({f.rank for f in group if f.rank is not None})
     if len(ranks) < 2:
         return first
     evidence = {**first.evidence, "ranks": ranks}
+    tied = [f for f in group if key(f) == key(first)]
+    if len(tied) > 1 and first.step is not None:
+        local = local_first([f.rank for f in tied], first.step, digests)
+        if local is not None:
+            first = next(f for f in tied if f.rank == local[0])
+            evidence = {**first.evidence, "ranks": ranks, "local_first": local[1]}
     steps = {f.rank: f.step for f in group}
     if len(set(steps.values())) > 1:
         evidence["step_by_rank"] = {str(r): s for r, s in sorted(steps.items())}

@@ -152,3 +152,32 @@ def test_rank_sets_read_as_ranges():
     assert rank_set(range(64), range(64)) == "all 64 ranks"
     assert rank_set([0, 1], [0, 1, 2]) == "ranks 0-1"
     assert rank_set([7], range(8)) == "rank 7"
+
+
+def test_all_ranks_at_once_the_rank_whose_own_batch_went_wrong_is_named_first(tmp_path):
+    bs = [rank(r) for r in range(RANKS)]
+    for b in bs:  # all-reduced: every rank's gradients explode at step 150 ...
+        b.total_grad_norm(1e6, at=slice(150, None))
+    bs[2].loss(40.0, at=150)  # ... from rank 2's batch: its own loss jumped there
+    write(tmp_path, bs)
+    (boom,) = findings(tmp_path, "exploding_gradients")
+    assert boom.rank == 2 and boom.evidence["ranks"] == [0, 1, 2, 3]
+    assert "rank 2's own loss there was 40" in boom.evidence["local_first"]
+
+
+def test_out_of_memory_on_one_rank_says_how_close_the_others_came(tmp_path):
+    from torchautopsy.analyzer.cross_rank.digest import digest_of
+    from torchautopsy.analyzer.cross_rank.memory import others_memory
+    from torchautopsy.analyzer.findings import Finding
+    from torchautopsy.analyzer.trace import load
+
+    bs = [rank(r) for r in range(RANKS)]
+    for r, b in enumerate(bs):
+        b.set("steps/rss_bytes", np.int64((8 + r) * 2**30))  # rank 3 the largest: 11 GiB; rank 2: 10
+    write(tmp_path, bs)
+    trace = load(tmp_path)
+    digests = {r: digest_of(rt) for r, rt in trace.ranks.items()}
+    f = others_memory(Finding("out_of_memory", "error", 100, [], "Rank 3 ran out of memory.", rank=3), digests)
+    assert f.evidence["others_memory"] == {"measure": "rss", "min_share": 8 / 11, "max_share": 10 / 11,
+                                           "closest_rank": 2}
+    assert "peaked at 73-91% of rank 3's (closest: rank 2)" in f.summary
