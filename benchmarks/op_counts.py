@@ -17,7 +17,8 @@ table also gives the count without them.
 
 Each step's kind is read back from the trace the run wrote: *watched* (module outputs measured),
 *histogram*, *update* (the two steps of an update ratio: the copy, then the ratio), *window* (a
-torch.profiler window), *census* (the live-tensor census), *plain* (none of these). A step can be
+torch.profiler window), *census* (the live-tensor census), *fingerprint* (replica fingerprints),
+*plain* (none of these). A step can be
 of several kinds; it is counted under the most expensive ("watched+histogram" under histogram).
 The bare loop's steps are all alike after the first: its median is the reference.
 """
@@ -40,7 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import build as overhead_build, train_once  # noqa: E402
 
 WORKLOADS = ("transformer", "mlp", "cnn")
-KINDS = ("plain", "watched", "histogram", "update", "window", "census")
+KINDS = ("plain", "watched", "histogram", "update", "window", "census", "fingerprint")
+# Replica fingerprints every 13th step here (default 100, a multiple of the warm-up's watched
+# steps, with which they would always coincide): they fall on otherwise plain steps, counted apart
+# (a step of another kind as well is counted under neither).
+FINGERPRINT_EVERY = 13
 # Ops that only make a new view of a tensor's storage (or a detached alias): no kernel runs.
 VIEWS = {"view", "_unsafe_view", "_reshape_alias", "as_strided", "detach", "alias", "t", "transpose",
          "permute", "expand", "select", "slice", "unsqueeze", "squeeze", "unbind", "split", "split_with_sizes",
@@ -62,6 +67,11 @@ class OpCounter(TorchDispatchMode):
 
 def views(ops: collections.Counter) -> int:
     return sum(n for name, n in ops.items() if name in VIEWS)
+
+
+def n_params(workload: str) -> int:
+    """The workload's parameter tensors (a fingerprint step reduces each once)."""
+    return len(list(build(workload)[0].parameters()))
 
 
 def build(workload: str):
@@ -225,8 +235,11 @@ def step_kinds(run_dir: str, n: int) -> list[str]:
         for w in windows.itertuples():
             for s in range(int(w.step_start), int(w.step_end) + 1):
                 kinds[s].add("window")
-    order = ("histogram", "window", "watched", "census", "update")
-    return [next((k for k in order if k in ks), "plain") for ks in kinds]
+    for s in rt.fingerprint_steps:
+        kinds[int(s)].add("fingerprint")
+    order = ("histogram", "window", "watched", "census", "update", "fingerprint")
+    return ["mixed" if "fingerprint" in ks and len(ks) > 1 else next((k for k in order if k in ks), "plain")
+            for ks in kinds]
 
 
 def measure(workload: str, steps: int = 120, fused: bool = True) -> dict:
@@ -236,7 +249,8 @@ def measure(workload: str, steps: int = 120, fused: bool = True) -> dict:
     bare = count_steps(workload, 8, recorded=False)[2:]
     bare_ops = bare[len(bare) // 2]
     with tempfile.TemporaryDirectory(prefix="torchautopsy-ops-") as tmp:
-        recorded = count_steps(workload, steps, recorded=True, run_dir=tmp, fused_reductions=True if fused else None)
+        recorded = count_steps(workload, steps, recorded=True, run_dir=tmp, fused_reductions=True if fused else None,
+                               fingerprint_every=FINGERPRINT_EVERY)
         kinds = step_kinds(tmp, steps)
     out = {"workload": workload, "path": "GPU (fused)" if fused else "CPU", "bare": sum(bare_ops.values()),
            "bare_compute": sum(bare_ops.values()) - views(bare_ops), "kinds": {}}

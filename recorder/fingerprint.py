@@ -25,10 +25,11 @@ _MASK = (1 << _PIECE) - 1
 
 
 def device_fingerprints(params: list) -> torch.Tensor:
-    """One float32 vector of 3 pieces per parameter (see pieces_to_int64)."""
+    """One float32 vector of 3 pieces per parameter (see pieces_to_int64). Under torch.no_grad()
+    (rec.step()'s work): views of the parameters themselves, no detach."""
     sums = []
     for p in params:
-        t = local(p.detach())
+        t = local(p)
         if t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
             sums.append(torch.zeros((), dtype=torch.int64, device=t.device))
             continue

@@ -29,5 +29,10 @@ def test_a_watched_step_adds_at_most_a_quarter_of_the_bare_step(workload):
     assert watched["added"] <= WATCHED_SHARE * bare, (workload, watched["added"], bare, watched["ops"])
     assert 0 < plain["added"] <= PLAIN_OPS, (workload, plain["ops"])
     # per-module work is fused: the per-tensor path's ops are gone (one norm: the heads' similarity)
+    # a fingerprint step: one integer sum per parameter (and its view), a few ops to pack them
+    fp = r["kinds"]["fingerprint"]
+    n_params = op_counts.n_params(workload)
+    assert fp["steps"] >= 1 and fp["added_compute"] <= plain["added_compute"] + n_params + 12, (workload, fp["ops"])
+    assert fp["ops"].get("sum", 0) == n_params, fp["ops"]
     per_tensor = {op: watched["ops"].get(op, 0) for op in ("aminmax", "linalg_vector_norm", "dot", "sign", "select")}
     assert max(per_tensor.values()) <= 1, per_tensor
