@@ -200,4 +200,7 @@ def _clock(d: RankDigest) -> str:
     t = d.time_unix[np.isfinite(d.time_unix)] if len(d.time_unix) else np.zeros(0)
     if not len(t):
         return ""
-    return _dt.datetime.fromtimestamp(float(t[-1]), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return _dt.datetime.fromtimestamp(float(t[-1]), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # (a time no clock shows: a damaged trace)
+        return ""

@@ -81,6 +81,9 @@ def digest_of(rt: RankTrace) -> RankDigest:
         fp_hash = np.array([int.from_bytes(hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=8)
                                            .digest(), "little", signed=True) for row in bits], dtype=np.int64)
     hb = rt.heartbeats
+    if len(hb):  # (a damaged or hostile row: a step or time that is no number is not a heartbeat)
+        hb = hb[np.isfinite(hb["step"].astype(float)) & np.isfinite(hb["time_unix"].astype(float))
+                & (hb["step"].astype(float).abs() < 2**53)]
     beats, stack, stack_step = [], None, None
     if len(hb):
         with_stack = [i for i, s in enumerate(hb["stack"]) if s is not None]
@@ -101,8 +104,14 @@ def digest_of(rt: RankTrace) -> RankDigest:
         fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
         end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
         last_stack_step=stack_step, nccl_env=rt.nccl_env,
-        oom_step=int(ooms["step"].min()) if len(ooms) else None,
+        oom_step=_first(ooms["step"]),
         heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")))
+
+
+def _first(steps) -> int | None:
+    x = np.asarray(steps, dtype=float)
+    x = x[np.isfinite(x) & (np.abs(x) < 2**53)]
+    return int(x.min()) if len(x) else None
 
 
 def _seconds(v) -> float:

@@ -24,7 +24,7 @@ def rank_set(ranks, all_ranks) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     if ranks == all_ranks:
-        return f"all {len(ranks):,} ranks"
+        return "both ranks" if len(ranks) == 2 else f"all {len(ranks):,} ranks"
     plain = f"ranks {_ranges(ranks)}"
     missing = sorted(set(all_ranks) - set(ranks))
     # "ranks 0-63 except 5" where the gaps are fewer pieces than the ranks themselves

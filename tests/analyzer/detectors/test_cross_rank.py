@@ -181,3 +181,29 @@ def test_out_of_memory_on_one_rank_says_how_close_the_others_came(tmp_path):
     assert f.evidence["others_memory"] == {"measure": "rss", "min_share": 8 / 11, "max_share": 10 / 11,
                                            "closest_rank": 2}
     assert "peaked at 73-91% of rank 3's (closest: rank 2)" in f.summary
+
+
+def test_hostile_heartbeats_and_fingerprints_are_data_not_a_crash(tmp_path):
+    """Rows no recorder writes (times and steps past any clock, a stack that is not one, JSON
+    nested 5,000 deep, fingerprints of the wrong width): the real CLI reads on, no traceback."""
+    import h5py
+
+    from tests.helpers import run_cli
+
+    for r in range(2):
+        b = rank(r, steps=30).attrs(world_size=2, closed=False, end_reason="")
+        b.heartbeats([{"time_unix": 1e300, "step": 2**62, "phase": "forward", "phase_s": float("inf"),
+                       "step_s": 1e30, "typical_step_s": -5.0, "stack": '[["a", 1, "b", "c"], 5, null]'},
+                      {"time_unix": float("nan"), "step": 31, "phase": "data", "phase_s": 1, "step_s": 1e9,
+                       "typical_step_s": 0.1, "stack": "[" * 5000},
+                      {"time_unix": 1e12, "step": 30, "phase": "backward", "phase_s": 1e9, "step_s": 1e9,
+                       "typical_step_s": 0.1, "stack": '[["x' + "\u202e" * 100 + '", -1, "y", "z"]]'}])
+        b.write(tmp_path, rank=r)
+    with h5py.File(tmp_path / "rank1.h5", "a") as f:
+        del f["fingerprints/bits"]
+        f["fingerprints/bits"] = np.zeros((3, 2), dtype=np.int64)
+    r = run_cli("analyze", tmp_path, "--json", tmp_path / "f.json", "--html", tmp_path / "r.html", block_torch=True)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    import json
+    kinds = [f["kind"] for f in json.loads((tmp_path / "f.json").read_text())["findings"]]
+    assert "analyzer_error" not in kinds and "hang" in kinds  # (the last row: both ranks stalled in step 30)
