@@ -64,28 +64,15 @@ def detect(digests, cfg: HangConfig, trace=None) -> list[Finding]:
            for r, s in state.items() if r in ranks}
     first = min(pos.values())
     behind = [r for r in ranks if pos[r] == first]
-    named = len(behind) < len(ranks)
+    # One rank alone, or some ranks behind the others: named. All at one place: none is.
+    named = len(ranks) == 1 or len(behind) < len(ranks)
     culprit = behind[0]
     s = state[culprit] or {"step": first[0], "phase": "", "stalled": False, "at": "", "code": "", "stack": [],
                            "stalled_s": float("nan")}
     d = digests[culprit]
-    others = _others(state, pos, [r for r in ranks if r not in behind], digests)
-    where = f"in step {s['step']:,}'s {_phase(s['phase'])}" if s["phase"] else f"before step {s['step']:,}"
-    at = f", at {s['at']} (`{s['code']}`)" if s["at"] and s["code"] else (f", at {s['at']}" if s["at"] else "")
-    if named and state[culprit] is None:
-        head = (f"Rank {culprit}'s trace ends after step {d.last_step if d.last_step is not None else -1:,} "
-                f"({d.end_reason or 'killed: not closed'}) while the other ranks were still running")
-    elif named:
-        head = f"{rank_set(behind, ranks).capitalize()} stopped {where}{at} and made no progress for " \
-               f"{s['stalled_s']:,.0f} s until {'its' if len(behind) == 1 else 'their'} trace ends"
-    else:
-        head = f"All {len(ranks):,} ranks stopped {where}{at}, none behind the others: for {s['stalled_s']:,.0f} s"
-    tail = "".join(f"; {_others_phrase(o['ranks'], ranks, len(others) == 1)} waited in step {o['step']:,}'s "
-                   f"{_phase(o['phase'])}"
-                   + (f", at {o['at']} (`{o['code']}`)" if o["at"] else "") for o in others[:3])
+    others = _others(state, pos, [r for r in ranks if r not in behind])
     nccl = _nccl(digests, trace)
-    summary = head + tail + ("" if not named or not others else
-                             ": in a collective, waiting for " + ("it" if len(behind) == 1 else "them")) + "."
+    summary = _head(s, d, behind, ranks, named, state[culprit] is None) + _tail(others, ranks, behind) + "."
     if nccl:
         summary += f" The job also wrote NCCL flight-recorder dumps ({nccl})."
     return [Finding(
@@ -93,7 +80,31 @@ def detect(digests, cfg: HangConfig, trace=None) -> list[Finding]:
         {"phase": s["phase"], "last_step": d.last_step if d.last_step is not None else -1,
          "stalled_s": s["stalled_s"], "at": s["at"], "code": s["code"], "stack": s["stack"], "others": others,
          **({"nccl_flight_recorder": nccl} if nccl else {})},
-        _advice(s, named, nccl), rank=culprit if named else None)]
+        _advice(s, named, len(ranks), nccl), rank=culprit if named else None)]
+
+
+def _head(s: dict, d, behind: list[int], ranks: list[int], named: bool, ended: bool) -> str:
+    """Who stopped, where (the step, its phase, the line of the stack) and for how long."""
+    where = f"in step {s['step']:,}'s {_phase(s['phase'])}" if s["phase"] else f"before step {s['step']:,}"
+    at = f", at {s['at']} (`{s['code']}`)" if s["at"] and s["code"] else (f", at {s['at']}" if s["at"] else "")
+    if named and ended:
+        return (f"Rank {behind[0]}'s trace ends after step {d.last_step if d.last_step is not None else -1:,} "
+                f"({d.end_reason or 'killed: not closed'}) while the other ranks were still running")
+    if named:
+        whose = "its" if len(behind) == 1 else "their"
+        return (f"{rank_set(behind, ranks).capitalize()} stopped {where}{at} and made no progress for "
+                f"{s['stalled_s']:,.0f} s until {whose} trace ends")
+    return f"All {len(ranks):,} ranks stopped {where}{at}, none behind the others: for {s['stalled_s']:,.0f} s"
+
+
+def _tail(others: list[dict], ranks: list[int], behind: list[int]) -> str:
+    """Where the other ranks waited (the three largest groups), and for whom."""
+    if not others:
+        return ""
+    text = "".join(f"; {_others_phrase(o['ranks'], ranks, len(others) == 1)} waited in step {o['step']:,}'s "
+                   f"{_phase(o['phase'])}" + (f", at {o['at']} (`{o['code']}`)" if o["at"] else "")
+                   for o in others[:3])
+    return text + ": in a collective, waiting for " + ("it" if len(behind) == 1 else "them")
 
 
 def where_stopped(d, cfg: HangConfig) -> dict | None:
@@ -115,7 +126,7 @@ def where_stopped(d, cfg: HangConfig) -> dict | None:
             "at": at, "code": code, "stack": stack}
 
 
-def _others(state, pos, ranks, digests) -> list[dict]:
+def _others(state, pos, ranks) -> list[dict]:
     """The other ranks grouped by where they stood (most ranks first)."""
     groups: dict[tuple, list[int]] = {}
     for r in ranks:
@@ -152,11 +163,15 @@ def _nccl(digests, trace) -> str:
     return f"{prefix}<rank>" + (f"; in the run directory: {', '.join(found)}" if found else "")
 
 
-def _advice(s, named, nccl) -> str:
+def _advice(s, named, n_ranks, nccl) -> str:
     read = (" Read the NCCL flight-recorder dumps with `python -m torch.distributed.flight_recorder.fr_trace` "
             "(PyTorch's tool) to see which collective each rank was in.") if nccl else \
         " Next time set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 so NCCL dumps its " \
         "collectives on a timeout."
+    if n_ranks == 1:
+        return ("The job stopped making progress at the line above: a deadlock, a DataLoader that hangs (a dead "
+                "worker, a lock, a remote filesystem), a blocking call or a collective waiting for a process "
+                "outside this trace." + (read if nccl else ""))
     if not named:
         return ("Every rank waited at the same place: a collective that never completed (a network or NCCL "
                 "problem, a rank outside this trace, mismatched collectives)." + read)

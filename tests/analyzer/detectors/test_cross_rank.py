@@ -133,7 +133,8 @@ def test_a_slow_healthy_job_without_a_stall_is_not_a_hang(tmp_path):
 def test_one_rank_alone_that_hung_is_a_hang_of_rank_0(tmp_path):
     _stall(rank(0, steps=150).attrs(world_size=1), 150, "forward", 70, "out = model(x)").write(tmp_path)
     (f,) = cross(tmp_path)
-    assert (f.kind, f.step, f.evidence["at"]) == ("hang", 150, "train.py:70")
+    assert (f.kind, f.rank, f.step, f.evidence["at"]) == ("hang", 0, 150, "train.py:70")
+    assert f.summary.startswith("Rank 0 stopped in step 150's forward, at train.py:70 (`out = model(x)`)")
 
 
 def test_the_same_finding_on_every_rank_is_one_finding_with_the_ranks_listed(tmp_path):
