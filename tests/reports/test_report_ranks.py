@@ -1,0 +1,96 @@
+"""The report's Ranks section on a many-rank run (issue 26): the ranks x steps pictures, in which
+the odd rank's row is the one that stands out, and the table of where each rank's trace ended;
+in the HTML and in the PDF; none for one rank; rows grouped past 96 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+from reports_testlib import pdf_pages_text, squeeze
+
+from tests.analyzer.detectors.test_cross_rank import RANKS, _stall, rank
+from torchautopsy.analyzer.cross_rank.aligned import common_steps, matrix
+from torchautopsy.analyzer.run import analyze
+from torchautopsy.analyzer.trace import load
+from torchautopsy.reports import build_report, render_html, render_pdf
+from torchautopsy.reports import ranks as rank_section
+from torchautopsy.reports.context import Context
+from torchautopsy.analyzer.config import AnalysisConfig
+
+TITLES = ("Ranks: own work per step", "Ranks: backward and optimizer per step", "Ranks: loss per step",
+          "Ranks: gradient norm per step", "Ranks: memory per step", "Ranks: replica fingerprints")
+
+
+def straggler_then_hang(tmp_path):
+    """4 ranks: rank 3 straggles in its data loading from step 60; at step 150 rank 1 stops in
+    its data loading and the others wait in backward until the job is killed."""
+    bs = [rank(r, steps=150) for r in range(RANKS)]
+    bs[3].set("steps/data_wait_s", 0.06, at=slice(60, None))
+    bs[3].set("steps/between_steps_s", 0.062, at=slice(60, None))
+    for b in bs[:3]:
+        b.set("steps/backward_s", b.cols["steps/backward_s"] + np.where(b.steps >= 60, 0.055, 0))
+    _stall(bs[1], 150, "data", 61, "batch = next(it)")
+    for r in (0, 2, 3):
+        _stall(bs[r], 150, "backward", 64, "loss.backward()")
+    for r, b in enumerate(bs):
+        b.write(tmp_path, rank=r)
+    trace = load(tmp_path)
+    return trace, analyze(trace, workers=2)
+
+
+def test_the_ranks_section_shows_the_straggler_and_where_each_rank_stopped(tmp_path):
+    trace, findings = straggler_then_hang(tmp_path)
+    assert {(f.kind, f.rank, f.step) for f in findings if f.kind in ("hang", "straggler")} == \
+        {("hang", 1, 150), ("straggler", 3, 60)}
+    report = build_report(trace, findings)
+    assert [f.title for f in report.ranks] == list(TITLES)
+    assert all(f.png for f in report.ranks), [f.caption for f in report.ranks if not f.png]
+    t = report.rank_table
+    assert t.rows[0][:5] == ("1", "149", "killed (not closed)", "step 150, data", "train.py:61")
+    assert t.rows[1][:5] == ("0-3 except 1", "149", "killed (not closed)", "step 150, backward", "train.py:64")
+    # The picture's data: rank 3's own work stands out from step 60, the others' do not.
+    ctx = Context(trace, findings, AnalysisConfig())
+    ds = rank_section.digests(ctx)
+    steps = common_steps(ds)
+    dev, _ = rank_section._deviation(matrix(ds, rank_section.own_work, steps), np.zeros((RANKS, len(steps)), bool))
+    after = steps >= 60
+    assert dev[3, after].min() > 0.5 and np.abs(dev[:3, after]).max() < 0.3 and np.abs(dev[:, ~after]).max() < 0.3
+
+    html = render_html(report)
+    assert 'id="ranks"' in html and html.index('id="ranks"') < html.index('id="overview"')
+    for title in (*TITLES, "How each rank&#39;s trace ends"):
+        assert title in html, title
+    text = squeeze("\n".join(pdf_pages_text(render_pdf(report))))
+    for title in (*TITLES, "How each rank's trace ends"):
+        assert squeeze(title) in text, title
+
+
+def test_one_rank_has_no_ranks_section(tmp_path):
+    rank(0).attrs(world_size=1).write(tmp_path)
+    trace = load(tmp_path)
+    report = build_report(trace, analyze(trace))
+    assert report.ranks == () and report.rank_table is None
+    assert 'id="ranks"' not in render_html(report)
+
+
+def test_past_96_ranks_the_rows_are_groups_and_the_odd_rank_still_shows(tmp_path):
+    n = 130
+    for r in range(n):
+        b = rank(r, steps=40).attrs(world_size=n)
+        if r == 77:
+            b.set("steps/forward_s", 0.3, at=slice(10, None))
+        b.write(tmp_path, rank=r)
+    trace = load(tmp_path)
+    findings = analyze(trace, workers=2)
+    assert [(f.rank, f.step) for f in findings if f.kind == "straggler"] == [(77, 10)]
+    ctx = Context(trace, findings, AnalysisConfig())
+    figs = rank_section.figures(ctx)
+    assert figs[0].png and "groups of ranks" in figs[0].caption
+    ds = rank_section.digests(ctx)
+    steps = common_steps(ds)
+    values = matrix(ds, rank_section.own_work, steps)
+    dev, nonfinite = rank_section._deviation(values, np.zeros(values.shape, bool))
+    dev, _, _, labels, _ = rank_section._bucketed(dev, nonfinite, np.zeros(values.shape, bool), sorted(ds), steps)
+    assert len(labels) <= rank_section.MAX_ROWS and any(lab.startswith("ranks ") for lab in labels)
+    row = next(i for i, lab in enumerate(labels) if lab == "rank 77" or (
+        lab.startswith("ranks ") and int(lab.split()[1].split("-")[0]) <= 77 <= int(lab.split("-")[-1])))
+    assert dev[row].max() >= 1 and np.sort(np.abs(dev).max(axis=1))[-2] < 0.5  # that group's row alone
