@@ -25,7 +25,8 @@ def local_first(ranks: list[int], step: int, digests: dict) -> tuple[int, str] |
         i = int(np.searchsorted(d.steps, step))
         if i >= len(d.steps) or d.steps[i] != step or i < 3:
             return None
-        usual = np.nanmedian(np.abs(d.loss[max(0, i - BEFORE):i]))
+        before = np.abs(d.loss[max(0, i - BEFORE):i])
+        usual = np.median(before[np.isfinite(before)]) if np.isfinite(before).any() else np.nan
         now = d.loss[i]
         if not np.isfinite(now):
             scores[r] = (np.inf, now, usual)

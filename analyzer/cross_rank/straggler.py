@@ -14,6 +14,7 @@ leaves the all-reduce together; host timing cannot say who was late (benchmarks/
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,12 @@ ORDER = 10
 def detect(digests, cfg: StragglerConfig, trace=None) -> list[Finding]:
     if len(digests) < 2:
         return []
+    with warnings.catch_warnings():  # (medians of steps no rank timed: NaN, said nothing of)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _detect(digests, cfg)
+
+
+def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
     steps = common_steps(digests)
     if len(steps) < cfg.min_slow_steps:
         return []

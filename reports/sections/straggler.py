@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ...analyzer.cross_rank import straggler
@@ -33,7 +35,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure | None:
     own = matrix(ds, ranks.own_work, steps) * 1000
     back = matrix(ds, lambda d: d.phases["backward"], steps) * 1000
     others = np.delete(np.arange(len(order)), i)
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (steps no other rank timed: a gap)
         lines = [
             plots.Line(f"rank {f.rank}: own work", steps, own[i], emphasis=True, color="#c62828"),
             plots.Line("others: own work (median)", steps, np.nanmedian(own[others], axis=0), color="#616161"),
