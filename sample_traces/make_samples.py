@@ -51,6 +51,9 @@ leak_losses_mlp (MLP), leak_hook_gru (GRU)
 oom_pairwise_mlp (MLP)
     A periodic retrieval metric builds an all-pairs tensor over a 2**20-item feature bank: the CPU
     allocator refuses the request and the job dies. step: the step it ran in (by construction).
+ddp_straggler, ddp_hang (MLP under DDP, 4 ranks launched by torchrun, gloo; ddp_job.py)
+    One rank's data loading slows down from a step / blocks at a step. step and rank: by
+    construction (each case writes rank0.h5 ... rank3.h5).
 
 The cases live in one module per family (cases_healthy, cases_gradients, cases_nonfinite,
 cases_activity, cases_memory; their shared training loop in cases_common); this script holds the
@@ -79,6 +82,7 @@ import cases_gradients  # noqa: E402
 import cases_healthy  # noqa: E402
 import cases_memory  # noqa: E402
 import cases_nonfinite  # noqa: E402
+import cases_ranks  # noqa: E402
 from sample_truth import EXPLODE_BASELINE_STEPS, EXPLODE_FACTOR, read_trace  # noqa: E402
 
 CASES = (
@@ -90,6 +94,7 @@ CASES = (
     "attention_entropy_lr", "attention_sink_mask",
     "leak_losses_mlp", "leak_hook_gru",
     "oom_pairwise_mlp",
+    "ddp_straggler", "ddp_hang",
 )
 ARCHITECTURE = {
     "healthy_mlp": "MLP", "healthy_cnn_bn": "CNN + BatchNorm", "healthy_transformer": "transformer encoder",
@@ -99,6 +104,7 @@ ARCHITECTURE = {
     "dead_relu_cnn_init": "CNN (F.relu in forward)", "attention_entropy_lr": "transformer encoder (nn.TransformerEncoder)",
     "attention_sink_mask": "transformer encoder (F.scaled_dot_product_attention)", "leak_losses_mlp": "MLP",
     "leak_hook_gru": "GRU", "oom_pairwise_mlp": "MLP",
+    "ddp_straggler": "MLP, DDP on 4 ranks", "ddp_hang": "MLP, DDP on 4 ranks",
 }
 
 
@@ -146,7 +152,7 @@ def _check_common(case: str, run_dir: str) -> None:
 
 
 # Each case is the function of its name in one of the family modules.
-_FAMILIES = (cases_healthy, cases_gradients, cases_nonfinite, cases_activity, cases_memory)
+_FAMILIES = (cases_healthy, cases_gradients, cases_nonfinite, cases_activity, cases_memory, cases_ranks)
 _FUNCTIONS = {name: obj for family in _FAMILIES for name, obj in vars(family).items()}
 RUNNERS = {name: _FUNCTIONS[name] for name in CASES}
 

@@ -69,8 +69,11 @@ def score(samples: str) -> list[dict]:
                     abs(f["step"] - exp["step"]) <= exp.get("step_tolerance", 0)
                     or _resolution(exp["kind"], trace, exp["step"], f["step"]))
                 where_ok = bool(set(exp["where"]) & set(f["where"])) or (not exp["where"] and not f["where"])
+                rank_ok = exp.get("rank") is None or f["rank"] == exp["rank"]  # (a many-rank case)
                 unnamed = bool(exp["where"]) and not f["where"]
-                if unnamed:
+                if not rank_ok:
+                    row["verdict"] = f"wrong rank ({f['rank']}, not {exp['rank']})"
+                elif unnamed:
                     row["verdict"] = ("hit" if step_ok else "hit (step within resolution)" if near
                                       else "wrong step") + ", names no module"
                 elif not where_ok:

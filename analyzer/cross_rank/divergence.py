@@ -6,7 +6,9 @@ same optimizer, the same kernels). The recorder writes each parameter's exact bi
 step. A rank whose checksums differ from the majority's, after a step where all agreed, is a
 replica that diverged: silent data corruption (a faulty GPU or memory), or a rank-dependent bug
 (an update, a re-initialisation or a checkpoint load on some ranks only). Ranks that never agreed
-are not replicas (model or pipeline parallelism, independent runs): nothing is said."""
+are not replicas (model or pipeline parallelism): nothing is said. Ranks that agreed, then all
+split apart with no majority, are a warning: a rank-dependent update under DDP, or ranks that
+train apart by design (local SGD)."""
 
 from __future__ import annotations
 
@@ -96,9 +98,10 @@ def _diverged(digests, trace, steps, k, r, majority, n_majority, n_ranks, cfg) -
 def _split(steps, k, left, ranks) -> Finding:
     step = int(steps[k])
     return Finding(
-        KIND, "error", step, [],
-        f"The replicas no longer agree from step {step:,} ({rank_set(left, ranks)}): no majority of ranks holds "
-        f"the same parameters, though all did at step {int(steps[k - 1]):,}.",
+        KIND, "warning", step, [],
+        f"The ranks' parameters no longer agree from step {step:,} ({rank_set(left, ranks)}): no majority of ranks "
+        f"holds the same parameters, though all did at step {int(steps[k - 1]):,}. Under DDP that is a fault; "
+        f"ranks that train apart by design (local SGD, independent runs from one seed) do this too.",
         {"last_agreed_step": int(steps[k - 1]), "majority_ranks": 0, "fingerprint_every": int(steps[k] - steps[k - 1])},
         "Ranks that stop agreeing all at once point at a rank-dependent update (a per-rank seed in the "
         "optimizer or the model, gradients not all-reduced: a parameter outside DDP, no_sync() left on) "

@@ -208,3 +208,13 @@ def test_hostile_heartbeats_and_fingerprints_are_data_not_a_crash(tmp_path):
     import json
     kinds = [f["kind"] for f in json.loads((tmp_path / "f.json").read_text())["findings"]]
     assert "analyzer_error" not in kinds and "hang" in kinds  # (the last row: both ranks stalled in step 30)
+
+
+def test_ranks_that_agreed_then_all_split_apart_are_a_warning_not_a_named_rank(tmp_path):
+    bs = [rank(r) for r in range(RANKS)]
+    for r, b in enumerate(bs):  # local SGD, or a per-rank seed in the update: every rank its own from step 50
+        for row in b.rows["fingerprints"][5:]:
+            row["bits"] = row["bits"] + r
+    write(tmp_path, bs)
+    (f,) = cross(tmp_path)
+    assert (f.kind, f.severity, f.rank, f.step) == ("replica_divergence", "warning", None, 50)
