@@ -18,7 +18,8 @@ def test_sample_trace(case, tmp_path):
     for f in findings:
         assert set(f) >= {"kind", "severity", "step", "where", "summary", "evidence", "advice", "rank"}
         assert f["severity"] in ("error", "warning", "info")
-        assert f["rank"] == 0
+        # one rank, or a many-rank case's (a hang where every rank stood alike names none)
+        assert f["rank"] in range(len(list((SAMPLES / case).glob("rank*.h5")))) or f["kind"] == "hang"
     serious = [f for f in findings if f["severity"] in ("error", "warning")]
     exp = EXPECTED[case]
     if exp["kind"] is None:
@@ -33,6 +34,8 @@ def test_sample_trace(case, tmp_path):
     assert abs(f["step"] - exp["step"]) <= exp.get("step_tolerance", 0), (f["step"], exp["step"])
     if exp["where"]:  # a leak of a loss names no module: its ground truth is []
         assert set(exp["where"]) & set(f["where"]), (f["where"], exp["where"])
+    if exp.get("rank") is not None:  # a many-rank case: the rank that went wrong
+        assert f["rank"] == exp["rank"], (f["rank"], exp["rank"])
     assert f["evidence"] and f["advice"]
     assert exp["kind"] in r.stdout and f"step {f['step']:,}" in r.stdout
 

@@ -47,7 +47,7 @@ def test_sample_report(case):
     assert len(drawn) >= 3  # loss, gradient heatmap, memory at least
     # (the first finding's figure is drawn twice: under the verdict, and with its finding)
     assert len(images(html)) == len(drawn) + sum(1 for v in report.findings if v.figure and v.figure.png) \
-        + (report.verdict.figure is not None)
+        + (report.verdict.figure is not None) + sum(1 for fig in report.ranks if fig.png)
     assert 1 <= len(pdf_pages_text(pdf)) <= 40
 
 
