@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 
-from ..analyzer.cross_rank.aligned import common_steps, matrix
+from ..analyzer.cross_rank.aligned import matrix
 from ..analyzer.cross_rank.digest import RankDigest, digest_of
 from ..analyzer.cross_rank.hang import where_stopped
 from ..analyzer.cross_rank.merge import rank_set

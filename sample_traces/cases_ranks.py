@@ -52,7 +52,7 @@ def ddp_straggler(run_dir: str) -> dict:
             for r in range(RANKS)}
     print(f"  data wait before/after step {at} (ms): " + ", ".join(
         f"rank {r} {1e3 * a:.1f}/{1e3 * b:.1f}" for r, (a, b) in wait.items()))
-    print(f"  backward before/after (ms): " + ", ".join(f"rank {r} {1e3 * a:.1f}/{1e3 * b:.1f}" for r, (a, b) in back.items()))
+    print("  backward before/after (ms): " + ", ".join(f"rank {r} {1e3 * a:.1f}/{1e3 * b:.1f}" for r, (a, b) in back.items()))
     if not (wait[slow][1] - wait[slow][0] > 0.8 * ddp_job.SLOW_S):
         raise SystemExit(f"ddp_straggler: rank {slow}'s data wait did not grow ({wait[slow]})")
     return {"kind": "straggler", "step": at, "rank": slow, "where": [],

@@ -23,7 +23,6 @@ MAX_HEARTBEATS = 50  # the last rows of a rank's heartbeats kept
 class RankDigest:
     rank: int
     file: str
-    world_size: int
     steps: np.ndarray  # step numbers (int64)
     time_unix: np.ndarray  # when each step's rec.step() ran
     loss: np.ndarray
@@ -41,7 +40,6 @@ class RankDigest:
     last_stack: list | None = None  # the last stack a heartbeat sampled (frames, innermost last)
     last_stack_step: int | None = None
     nccl_env: dict = field(default_factory=dict)
-    oom_step: int | None = None  # the step that ran out of memory (oom_events), if any
     heartbeat_s: float = 0.0  # the recorder's heartbeat interval (0: none, or an older recorder)
 
     @property
@@ -94,9 +92,8 @@ def digest_of(rt: RankTrace) -> RankDigest:
                   "typical_step_s": float(ty)}
                  for t, s, p, ps, ss, ty in zip(tail["time_unix"], tail["step"], tail["phase"], tail["phase_s"],
                                                 tail["step_s"], tail["typical_step_s"])]
-    ooms = rt.oom_events
     return RankDigest(
-        rank=int(rt.rank), file=rt.path, world_size=int(rt.meta.get("world_size", 1) or 1),
+        rank=int(rt.rank), file=rt.path,
         steps=np.asarray(rt.step_index, dtype=np.int64), time_unix=col("time_s"),
         loss=col("loss"), phases=phases,
         grad_norm=np.asarray(rt.digest.total_grad_norm, dtype=np.float64), memory=memory, memory_kind=kind,
@@ -104,14 +101,7 @@ def digest_of(rt: RankTrace) -> RankDigest:
         fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
         end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
         last_stack_step=stack_step, nccl_env=rt.nccl_env,
-        oom_step=_first(ooms["step"]),
         heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")))
-
-
-def _first(steps) -> int | None:
-    x = np.asarray(steps, dtype=float)
-    x = x[np.isfinite(x) & (np.abs(x) < 2**53)]
-    return int(x.min()) if len(x) else None
 
 
 def _seconds(v) -> float:
