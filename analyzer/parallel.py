@@ -14,6 +14,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 
 from .cross_rank.digest import RankDigest
 from .findings import Finding
@@ -49,12 +50,21 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
                 progress(done + 1, len(ranks))
         return results
     files = {r: [a.trace.path for a in trace.attempts[r]] for r in ranks}
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass): r for r in ranks}
-        for done, fut in enumerate(as_completed(futures)):
-            results[futures[fut]] = fut.result()  # (a TraceError raised there is raised here: one line, exit 2)
-            if progress:
-                progress(done + 1, len(ranks))
+    try:
+        with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass): r for r in ranks}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()  # (a TraceError raised there is raised here: one line, exit 2)
+                if progress:
+                    progress(len(results), len(ranks))
+    except (OSError, NotImplementedError, BrokenProcessPool):
+        # No worker processes here (a sandbox without semaphores or fork/exec), or one was killed
+        # (by the OOM killer): the ranks not yet read are read here, one at a time.
+        for r in ranks:
+            if r not in results:
+                results[r] = rank_pass(trace, r)
+                if progress:
+                    progress(len(results), len(ranks))
     return dict(sorted(results.items()))
 
 
