@@ -80,9 +80,13 @@ def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Findin
             found = _not_checked(det.KIND, lacking) if lacking else \
                 _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
             findings.extend(_of_attempt(replace(f, rank=rank), attempt) for f in found)
-    digest = []
-    findings.extend(_guarded("cross_rank", f"rank {rank}", lambda: digest.append(digest_of(trace.ranks[rank])) or []))
-    return findings, (digest[0] if digest else None)
+    try:
+        digest = digest_of(trace.ranks[rank])
+    except TraceError:
+        raise
+    except Exception as e:
+        return findings + [_crashed("cross_rank", f"rank {rank}", e)], None
+    return findings, digest
 
 
 def _guarded(kind: str, on: str, run) -> list[Finding]:
@@ -92,12 +96,14 @@ def _guarded(kind: str, on: str, run) -> list[Finding]:
     except TraceError:
         raise
     except Exception as e:
-        return [Finding(
-            "analyzer_error", "error", None, [],
-            f"The {kind} detector failed on {on}: {type(e).__name__}: {e}",
-            {"detector": kind, "traceback": traceback.format_exc(limit=5)},
-            "This is a bug in torchautopsy; please report it with this trace.",
-        )]
+        return [_crashed(kind, on, e)]
+
+
+def _crashed(kind: str, on: str, e: Exception) -> Finding:
+    """The analyzer_error finding of a detector that crashed (called in its except block: the traceback)."""
+    return Finding("analyzer_error", "error", None, [], f"The {kind} detector failed on {on}: {type(e).__name__}: {e}",
+                   {"detector": kind, "traceback": traceback.format_exc(limit=5)},
+                   "This is a bug in torchautopsy; please report it with this trace.")
 
 
 def checked_kinds(findings: list[Finding], n_ranks: int = 1) -> tuple[str, ...]:

@@ -8,11 +8,11 @@ import numpy as np
 from .digest import RankDigest
 
 
-def common_steps(digests: dict[int, RankDigest]) -> np.ndarray:
-    """The steps every rank recorded."""
+def common_steps(digests: dict[int, RankDigest], of=lambda d: d.steps) -> np.ndarray:
+    """The steps every rank recorded (``of``: which steps of a digest, default its steps)."""
     steps = None
     for d in digests.values():
-        steps = d.steps if steps is None else np.intersect1d(steps, d.steps, assume_unique=True)
+        steps = of(d) if steps is None else np.intersect1d(steps, of(d), assume_unique=True)
     return np.zeros(0, dtype=np.int64) if steps is None else steps
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
+from .aligned import common_steps
 from .merge import rank_set
 
 
@@ -45,9 +46,7 @@ def detect(digests, cfg: ReplicaDivergenceConfig, trace=None) -> list[Finding]:
     ranks = sorted(r for r, d in digests.items() if d.replicated and len(d.fp_steps))
     if len(ranks) < 2 or len({tuple(digests[r].param_names) for r in ranks}) != 1:
         return []
-    steps = None
-    for r in ranks:
-        steps = digests[r].fp_steps if steps is None else np.intersect1d(steps, digests[r].fp_steps)
+    steps = common_steps({r: digests[r] for r in ranks}, of=lambda d: d.fp_steps)
     if not len(steps):
         return []
     h = np.stack([digests[r].fp_hash[np.searchsorted(digests[r].fp_steps, steps)] for r in ranks])  # ranks x steps
