@@ -166,12 +166,13 @@ def _size(n: int) -> str:
     return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{n / 1024:,.1f} KB"
 
 
-def fired_blackbox(trace):
-    """(rank trace, its black box row, the export command's rank option) of the first rank whose
-    black box fired, or None."""
+def fired_blackbox(trace, prefer: int | None = None):
+    """(rank trace, its black box row, the export command's rank option) of the rank ``prefer``
+    (the first to go wrong) if its black box fired, else of the lowest rank whose did, or None."""
     from .errors import TraceError
 
-    for rt in trace.ranks.values():
+    ranks = sorted(trace.ranks.values(), key=lambda rt: (rt.rank != prefer, rt.rank))
+    for rt in ranks:
         try:
             bb = rt.blackbox
         except TraceError:

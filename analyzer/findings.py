@@ -25,6 +25,7 @@ class Evidence(TypedDict, total=False):
     step_by_rank: dict  # ... and the step each showed it at, where they differ
     local_first: str  # ... why the rank named went first when all showed it at once (cross_rank/local.py)
     others_memory: dict  # out of memory on one rank: how far the others were (cross_rank/memory.py)
+    code: dict  # where to look: each module or parameter named -> its code's "Class, file:line" (code_places.py)
 
 
 def evidence_keys(evidence_type) -> frozenset[str]:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from functools import partial
 
 from .config import AnalysisConfig
+from .code_places import with_code
 from .cross_rank import CROSS_DETECTORS
 from .cross_rank.digest import RankDigest, digest_of
 from .cross_rank.memory import others_memory
@@ -79,7 +80,7 @@ def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Findin
             lacking = [name for name in det.REQUIRES if rt.lacks(name)]
             found = _not_checked(det.KIND, lacking) if lacking else \
                 _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
-            findings.extend(_of_attempt(replace(f, rank=rank), attempt) for f in found)
+            findings.extend(_of_attempt(replace(with_code(f, rt), rank=rank), attempt) for f in found)
     try:
         digest = digest_of(trace.ranks[rank])
     except TraceError:

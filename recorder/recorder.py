@@ -22,6 +22,7 @@ from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
 from .heartbeat import Heartbeat
 from .histograms import N_BINS, histogram_tensors
+from .local_grads import LocalGradients
 from .hooks import ModuleWatcher
 from .memory_probe import MemoryProbe
 from .nan_origin import NanOrigin
@@ -166,6 +167,7 @@ class Recorder:
                              captures=self.captures, schedule=self.schedule, writer=self.writer,
                              params=self._params, device=self._device)
         self.rows.fingerprint_every = cfg.fingerprint_every
+        self.local_grads = self.rows.local_grads = LocalGradients(self.model)  # (DDP: each rank's own gradients)
         self._active = True
         resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
         if cfg.heartbeat_s:
@@ -261,6 +263,8 @@ class Recorder:
                 self._fail(e)
             self._in_step_since = None
             self.norms.entries = []
+            if self.local_grads.ddp is not None and self._active:  # (after the job's first backward: local_grads.py)
+                self.local_grads.attach()
         if self._active:
             w = self.watcher
             self.planner.after_step(self._step, self._watched, w.sample_activations, w.sample_histograms)
@@ -298,6 +302,8 @@ class Recorder:
     def _unhook(self) -> None:
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.stop()
+        if getattr(self, "local_grads", None) is not None:
+            self.local_grads.stop()
         self.schedule.remove()
         if getattr(self, "_opt_hook", None) is not None:
             self._opt_hook.remove()
@@ -337,7 +343,7 @@ class Recorder:
             if was_active and self.writer is not None:
                 self.writer.close({
                     "closed": True, "end_reason": reason, "end_unix": time.time(),
-                    "n_steps_recorded": self._step,
+                    "n_steps_recorded": self._step, "local_grad_norms": self.local_grads.status,
                     **self.captures.note(),
                     **(self.profiler.note() if self.profiler is not None else {}),
                 })

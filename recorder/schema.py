@@ -84,6 +84,10 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("lr", "f8"),
             Column("loss_scale", "f4"),
             Column("optimizer_steps", "i4"),
+            # Under DDP: the L2 norm of this rank's own gradients before the all-reduce averaged
+            # them (local_grads.py); NaN where not measured (not DDP, the first step, a job's own
+            # communication hook, a step without a gradient sync).
+            Column("local_grad_norm", "f4"),
         ],
         # Every numeric hyper-parameter of each param group (lr, momentum, betas.0, weight_decay,
         # ...): a row when first seen and whenever it changes; a value holds until its next row.

@@ -13,6 +13,7 @@ import torch
 from .captures import trigger
 from .fingerprint import device_fingerprints, pieces_to_int64
 from .histograms import N_BINS
+from .local_grads import LocalGradients, combine
 from .nan_origin import loss_is_bad
 from .stats import Packer
 
@@ -27,6 +28,7 @@ class StepRows:
         self._params = params
         self.device = device  # the model's, as of the last recorded step
         self.fingerprint_every = 0  # (recorder.py sets it from the config)
+        self.local_grads = LocalGradients(None)  # (recorder.py sets the model's)
         self.loss_given = False
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
@@ -46,18 +48,27 @@ class StepRows:
         norms = self.norms.cached()
         if norms is None:
             return False
+        local = taken = self.local_grads.take()
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
+                self.local_grads.pending = taken
                 return False
-            loss_value = loss.item()
+            if local and local[0].device == loss.device:  # (DDP: the bucket norms in the loss's transfer)
+                values = torch.stack([*local, loss.detach().reshape(()).float()]).tolist()
+                loss_value, local = values[-1], values[:-1]
+            else:
+                loss_value = loss.item()
         else:
             loss_value = float("nan") if loss is None else float(loss)
+        if local and isinstance(local[0], torch.Tensor):
+            local = torch.stack(local).tolist()
         if loss is not None and not math.isfinite(loss_value):
+            self.local_grads.pending = taken
             return False  # a bad step is measured in full
         self.loss_given = loss is not None
         mods = self.unwatched  # (no module hooked: nothing to finish)
         ps = self.param_stats
-        self._write(step, t_called, loss_value, mods, sched, {
+        self._write(step, t_called, loss_value, combine(local), mods, sched, {
             "params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
                        "param_norm": ps.unmeasured},
             "modules": {"output_absmax": mods["output_absmax"]}})
@@ -82,6 +93,9 @@ class StepRows:
             fingerprint = self.fingerprint_every and step % self.fingerprint_every == 0 and self._params
             if fingerprint:
                 pk.add("fingerprint", device_fingerprints(self._params))
+            local = self.local_grads.take()
+            if local:
+                pk.add("local_grad", local)
             if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
                 if pk.empty:
                     loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
@@ -127,7 +141,7 @@ class StepRows:
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["module_outputs"] = self.watcher.take_new_shapes()
-        self._write(step, t_called, loss_value, mods, sched, rows)
+        self._write(step, t_called, loss_value, combine(host.get("local_grad", ())), mods, sched, rows)
         task = self.profiler.end(step)
         if task is not None:
             self.writer.put_task(task)
@@ -135,7 +149,8 @@ class StepRows:
         self.captures.after_step(step, self.trigger(loss_value, grad_bad, mods) if bad else None,
                                  self.origin.replayed["replay"] if self.origin.replayed else None)
 
-    def _write(self, step: int, t_called: float, loss_value: float, mods: dict, sched: tuple, rows: dict) -> None:
+    def _write(self, step: int, t_called: float, loss_value: float, local_grad: float, mods: dict, sched: tuple,
+               rows: dict) -> None:
         """Add the step's row of steps/ (loss, memory now, where NaN/Inf was born, the census,
         GC time, the time split) to its rows and queue them, then a CUDA snapshot if one is due.
         One dict, built once: right after a training step each call and dict update runs cold."""
@@ -160,7 +175,7 @@ class StepRows:
             "gc_s": gc_s, "gc_gen2": gc_gen2,
             "data_wait_s": wait, "between_steps_s": between, "forward_s": forward, "backward_s": backward,
             "recorder_s": own,
-            "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2],
+            "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2], "local_grad_norm": local_grad,
         }
         if sched[3] is not None:
             rows.update(sched[3])

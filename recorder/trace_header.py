@@ -19,6 +19,7 @@ from . import sharding
 from .histograms import bin_edges
 from .memory import RSS_SOURCE
 from .schema import FORMAT_NAME, SCHEMA_VERSION
+from .sources import module_sources
 
 _MAX_SUMMARY_CHARS = 65536
 # PyTorch's NCCL flight recorder (its ring buffer of collectives, dumped on a timeout): the
@@ -34,6 +35,7 @@ def trace_header(model, param_names: list[str], params: list, watcher, config, r
                  device, hist_params: list[int], hist_modules: list[int]) -> tuple[dict, dict]:
     """(root attributes, static tables {group: {name: (values, dtype)}}) of a new trace."""
     now = time.time()
+    class_source, forward_source = module_sources(watcher.modules)
     attrs = {
         "format": FORMAT_NAME,
         "schema_version": SCHEMA_VERSION,
@@ -69,6 +71,9 @@ def trace_header(model, param_names: list[str], params: list, watcher, config, r
             "name": (watcher.names, "str"),
             "type": (watcher.types, "str"),
             "is_leaf": ([int(x) for x in watcher.is_leaf], "i8"),
+            # Where the module's code is ("path:line", sources.py): its class, its forward.
+            "class_source": (class_source, "str"),
+            "forward_source": (forward_source, "str"),
         },
     }
     lower, upper = bin_edges()

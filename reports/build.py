@@ -84,6 +84,8 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             anchor=anchors[id(f)], kind=f.kind, severity=f.severity, step=f.step,
             rank=f.rank if len(trace.ranks) > 1 else None,
             where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
+            code=tuple(str(code.get(w, "")) for w in f.where[:MAX_WHERE]) if isinstance(
+                code := f.evidence.get("code") if isinstance(f.evidence, dict) else None, dict) else (),
             summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
     verdict = build_verdict(findings, len(trace.ranks), anchors)
     first = next((v for v in views if v.anchor == verdict.first_anchor), None)

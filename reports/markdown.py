@@ -11,7 +11,7 @@ import shlex
 
 from ..analyzer.display import NAME_CHARS, shorten, shorten_words
 from ..analyzer.export import fired_blackbox
-from ..analyzer.findings import Finding
+from ..analyzer.findings import Finding, first_to_go_wrong
 from ..analyzer.restarts import restart_lines
 from ..analyzer.trace import Trace
 from .model import plain
@@ -36,7 +36,8 @@ def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
              *(["**Restarts:**", "", *restarts, ""] if restarts else []), _verdict_line(findings, len(trace.ranks)), ""]
     lines += _findings_table(findings) if findings else ["No findings."]
-    box = _blackbox_line(trace)
+    first = first_to_go_wrong(findings)
+    box = _blackbox_line(trace, first.rank if first is not None else None)
     if box:
         lines += ["", box]
     command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html --pdf report.pdf"
@@ -87,9 +88,10 @@ def _findings_table(findings: list[Finding]) -> list[str]:
     return rows
 
 
-def _blackbox_line(trace: Trace) -> str:
-    """One line when a rank's black box fired: where, and the command that takes it out."""
-    fired = fired_blackbox(trace)
+def _blackbox_line(trace: Trace, prefer: int | None) -> str:
+    """One line when a rank's black box fired (rank ``prefer``'s if it did): where, and the command
+    that takes it out."""
+    fired = fired_blackbox(trace, prefer)
     if not fired:
         return ""
     rt, row, rank = fired

@@ -52,6 +52,7 @@ class FindingView:
     rank: int | None
     where: tuple[str, ...]  # names as the trace spells them ("" -> "(the model itself)")
     where_more: int  # names not listed (a finding may name thousands of parameters)
+    code: tuple[str, ...]  # where each name's code is ("" if not known): evidence["code"]
     summary: str
     evidence: list[EvidenceRow]
     advice: str

@@ -226,6 +226,9 @@ class _Doc(FPDF):
                 for i, w in enumerate(f.where):
                     self._font("mono", "", 8.5)
                     self.write(4.6, w or "(the model itself)")
+                    if f.code and f.code[i]:
+                        self._font("sans", "", 9)
+                        self.write(4.6, f" ({f.code[i]})")
                     if i < len(f.where) - 1:
                         self._font("sans", "", 9)
                         self.write(4.6, ", ")

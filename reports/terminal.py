@@ -75,7 +75,8 @@ def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -
     for f in findings:
         yield finding_line(f, style)
     first = first_to_go_wrong(findings)
-    ranks_hit = {f.rank for f in findings if f.severity in _PROBLEMS}
+    ranks_hit = {r for f in findings if f.severity in _PROBLEMS
+                 for r in [f.rank, *(f.evidence.get("ranks") or [] if isinstance(f.evidence, dict) else [])]}
     if first is not None and len(trace.ranks) > 1 and len(ranks_hit) > 1:
         yield style.verdict(wrap(f"rank {first.rank} went wrong first: {first.kind} at step {first.step:,}"
                                  + (f" ({first.evidence['stage']})" if "stage" in first.evidence else "")),
@@ -85,7 +86,7 @@ def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -
         worst = next(s for s in SEVERITIES if counts[s])
         yield style.verdict(wrap(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items() if n)),
                             worst)
-    box = blackbox_line(trace)
+    box = blackbox_line(trace, first.rank if first is not None else None)
     if box:
         yield _wrap_command(style, box)
     for line in blackbox_lines(trace):  # of attempts before a rank's last
@@ -128,9 +129,10 @@ def finding_line(f: Finding, style: Style = PLAIN) -> str:
     return f"{head}\n{summary}"
 
 
-def blackbox_line(trace: Trace) -> str:
-    """Where a black box fired, and the command that takes the moment it broke out; or ""."""
-    fired = fired_blackbox(trace)
+def blackbox_line(trace: Trace, prefer: int | None = None) -> str:
+    """Where a black box fired (rank ``prefer``'s if it did), and the command that takes the moment
+    it broke out; or ""."""
+    fired = fired_blackbox(trace, prefer)
     if not fired:
         return ""
     rt, row, rank = fired

@@ -41,7 +41,8 @@ LAYOUT: dict[str, list[tuple]] = {
               ("recorder_s", "f4"), ("nonfinite_origin", "i4"), ("batch_nonfinite", "i1"),
               ("nonfinite_consumer", "i4"), ("output_grad_nonfinite", "i1"), ("live_tensors", "i8"),
               ("live_tensor_bytes", "i8"), ("live_tensors_with_graph", "i8"), ("gc_s", "f4"),
-              ("gc_gen2", "i4"), ("lr", "f8"), ("loss_scale", "f4"), ("optimizer_steps", "i4")],
+              ("gc_gen2", "i4"), ("lr", "f8"), ("loss_scale", "f4"), ("optimizer_steps", "i4"),
+              ("local_grad_norm", "f4")],
     "params": [("grad_norm", "f4", P), ("grad_absmax", "f4", P), ("grad_nonfinite", "i4", P),
                ("param_norm", "f4", P)],
     "modules": [("output_absmax", "f4", M)],
@@ -364,7 +365,8 @@ class TraceBuilder:
             "nccl_env": "{}",
             "closed": True, "end_reason": "closed",
             "end_unix": float(np.nanmax(self.cols["steps/time_s"], initial=start)),
-            "n_steps_recorded": len(self.steps), "attempt": 1, "previous_file": "", "dropped_steps": 0, **self.meta,
+            "n_steps_recorded": len(self.steps), "attempt": 1, "previous_file": "", "dropped_steps": 0,
+            "local_grad_norms": "no DDP module", **self.meta,
         }
 
     def write(self, run_dir, rank: int | None = None, attempt: int = 1) -> str:
@@ -387,7 +389,9 @@ class TraceBuilder:
                                  "numel": ([int(np.prod(s)) for s in self.shapes], "i8"),
                                  "dtype": (["float32"] * n, "str"), "shards": ([1] * n, "i8")},
                       "modules": {"name": (self.modules, "str"), "type": (self.types, "str"),
-                                  "is_leaf": (_leaves(self.modules), "i8")}}
+                                  "is_leaf": (_leaves(self.modules), "i8"),
+                                  "class_source": ([""] * len(self.modules), "str"),
+                                  "forward_source": ([""] * len(self.modules), "str")}}
             for table, cols in static.items():
                 for col, (values, dtype) in cols.items():
                     if f"{table}/{col}" not in self.omitted and table not in self.omitted:

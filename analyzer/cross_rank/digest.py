@@ -28,6 +28,7 @@ class RankDigest:
     loss: np.ndarray
     phases: dict[str, np.ndarray]  # PHASE_COLUMNS' keys -> seconds (NaN: not seen); data apart from between
     grad_norm: np.ndarray  # total gradient L2 norm
+    local_grad: np.ndarray  # this rank's own gradient norm before DDP's all-reduce (NaN: not measured)
     memory: np.ndarray  # bytes: CUDA peak of the step if measured, else resident memory
     memory_kind: str  # "cuda_peak" | "rss"
     replicated: bool  # every parameter whole on this rank (DDP), so fingerprints compare
@@ -96,7 +97,8 @@ def digest_of(rt: RankTrace) -> RankDigest:
         rank=int(rt.rank), file=rt.path,
         steps=np.asarray(rt.step_index, dtype=np.int64), time_unix=col("time_s"),
         loss=col("loss"), phases=phases,
-        grad_norm=np.asarray(rt.digest.total_grad_norm, dtype=np.float64), memory=memory, memory_kind=kind,
+        grad_norm=np.asarray(rt.digest.total_grad_norm, dtype=np.float64), local_grad=col("local_grad_norm"),
+        memory=memory, memory_kind=kind,
         replicated=bool((rt.param_shards == 1).all()), param_names=list(rt.param_names),
         fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
         end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,

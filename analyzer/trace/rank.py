@@ -8,8 +8,10 @@ tensors (stored_tensors.py); the per-step table is read through StepColumns (ste
 from __future__ import annotations
 
 import os
+import re
 from functools import cached_property
 
+import h5py
 import numpy as np
 import pandas as pd
 
@@ -75,6 +77,10 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness):
                 self.module_labels = [module_label(n) for n in self.module_names]  # the frames' columns
                 self.module_types = _strings(f["modules/type"])
                 self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)
+                # Where each module's code is (recorder/sources.py): "path:line" of its class and
+                # its forward, "" where not known (older traces, a damaged column).
+                self.module_class_source, self.module_forward_source = (
+                    _sources(f, f"modules/{c}", len(self.module_names)) for c in ("class_source", "forward_source"))
                 schema.check_step_table(path, f, _PER_STEP_TABLES, {"params": len(self.param_names),
                                                                     "modules": len(self.module_names)})
                 # A killed writer may have resized some datasets of a table and not yet others:
@@ -339,3 +345,14 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness):
         if t.size == 0:
             return 0.0
         return float(t[-1] - self.meta.get("start_unix", t[0]))
+
+
+_SOURCE = re.compile(r"[^\x00-\x1f\x7f]{1,400}:[0-9]{1,7}")
+
+
+def _sources(f, name: str, n: int) -> list[str]:
+    """A column of "path:line" texts, one per module; "" for any that is not one."""
+    ds = f.get(name)
+    if not isinstance(ds, h5py.Dataset) or ds.shape != (n,) or ds.dtype.kind not in "OS":
+        return [""] * n
+    return [t if _SOURCE.fullmatch(t) else "" for t in _strings(ds)]

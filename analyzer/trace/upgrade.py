@@ -23,9 +23,11 @@ ADDED = {
     "steps/nonfinite_consumer": -1,  # the module that made a -Inf a fault
     "steps/loss_given": -1,  # 1 if rec.step() was given a loss; -1: not said
     "steps/output_grad_nonfinite": -1,  # the gradient at the model's outputs held NaN/Inf
+    "steps/local_grad_norm": np.nan,  # a DDP rank's own gradient norm before the all-reduce
     "params/shards": 1,  # FSDP2: before it, every parameter was whole on its rank
     "census_groups/grad_fn": b"",  # the op that made a census group's tensors: unknown
     "module_outputs/grad_fn": b"",
+    **dict.fromkeys(("modules/class_source", "modules/forward_source"), b""),  # where the code is: unknown
     "memory_snapshots/extra": b"",  # the allocator snapshot's other keys: none kept
     "profile_windows/exported_unix": np.nan,  # when the writer exported the window: not said
     # Schema 1 watched every step of an activity window.

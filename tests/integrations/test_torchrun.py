@@ -59,8 +59,13 @@ def _nan_reported_on_rank_1_first(run: Path) -> None:
     assert first["evidence"]["stage"] == "batch"
 
 
-def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first():
-    run, outs, stderr = torchrun("ddp", "0,1")
+@pytest.fixture(scope="module")
+def ddp():
+    return torchrun("ddp", "0,1")
+
+
+def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first(ddp):
+    run, outs, stderr = ddp
     assert sorted(os.listdir(run)) == ["rank0.h5", "rank1.h5"] and _ours(stderr) == []
     trace = load(run)
     for k in (0, 1):
@@ -70,6 +75,19 @@ def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first():
         np.testing.assert_array_equal(rt.steps["loss"].to_numpy()[:BAD], outs[k]["losses"][:BAD])
         assert (rt.param_shards == 1).all()  # DDP: every rank holds the whole parameters
     _nan_reported_on_rank_1_first(run)
+
+
+def test_ddp_recorded_trains_bitwise_as_unrecorded_though_its_gradients_go_through_our_hook(ddp):
+    """The recorder takes each rank's own gradient norm in a DDP communication hook that then runs
+    DDP's default all-reduce (recorder/local_grads.py): the losses are the same to the bit, with
+    both ranks recording, one, or none."""
+    run, outs, _ = ddp
+    assert load(run).ranks[0].meta["local_grad_norms"] == "recorded"
+    for recording in ("", "1"):
+        _, other, stderr = torchrun("ddp", recording)
+        assert _ours(stderr) == []
+        for k in (0, 1):
+            assert other[k]["losses"][:BAD] == outs[k]["losses"][:BAD], (recording, k)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ a real DataLoader (num_workers=0) over a synthetic dataset split by a Distribute
   others go into step HANG and wait in the gradient all-reduce of loss.backward() (`# BACKWARD`)
   until gloo's timeout (TIMEOUT_S) raises there; they die, and torchrun then stops rank 1.
 - nan (2 ranks): a NaN in rank 1's batch of step BAD, put there by its collate_fn.
+- backward_nan (3 ranks): at step BAD, rank 2's loss gains a distance to an anchor taken at the
+  weights themselves: sqrt(0) is 0 in the forward (every loss stays finite) and 0/0 in the
+  backward. Only rank 2's own gradients are NaN; after the all-reduce every rank's are.
 
 Each rank that finishes writes out.rank{N} (JSON: its losses and parameter names)."""
 
@@ -32,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchautopsy import Recorder
 
 BATCH = 16
-STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10}
+STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10, "backward_nan": 10}
 SLOW, SLOW_S = 8, 0.15  # straggler: rank 2, from this step on, this much longer in its loader
 DIVERGE, PERTURBED = 6, "module.2.weight"  # divergence: rank 1, after this step's optimizer step
 HANG, TIMEOUT_S = 5, 8  # hang: rank 1 stops before this step's forward; the collectives' timeout
@@ -95,6 +98,9 @@ for step, (x, y) in enumerate(loader):
     if scenario == "hang" and rank == 1 and step == HANG:
         time.sleep(3600)  # HANG
     loss = F.cross_entropy(ddp(x), y)
+    if scenario == "backward_nan" and rank == 2 and step == BAD:
+        w = model[0].weight
+        loss = loss + 1e-3 * torch.sqrt(((w - w.detach()) ** 2).sum())  # BACKWARD_NAN
     opt.zero_grad()
     loss.backward()  # BACKWARD
     opt.step()

@@ -1,0 +1,86 @@
+"""Each rank's own gradient, before DDP averages it with the other ranks'.
+
+After the all-reduce every replica holds the same gradients: a NaN born in one rank's backward is
+on every rank at the same step, and its norms cannot say which rank made it. Megatron checks the
+local gradient norm before the data-parallel collective for this reason. Here DDP's own extension
+point does it: a communication hook (``register_comm_hook``) that takes the norm of each gradient
+bucket as this rank made it, one reduction per bucket (25 MiB of gradients by default), kept on
+the device until the step's transfer, then runs DDP's default all-reduce (``allreduce_hook``,
+documented to give the same result as no hook; the parameters stay bitwise the same, tested).
+
+The hook is registered at the end of the first recorded step: DDP takes one hook, which a job
+registers before its first backward, so by then a job's own hook is there (and this one stays
+off) and a job never finds the slot taken by ours. The first step has no local norm. A DDP hook
+cannot be removed: after close() it only runs the all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+OFF_REASONS = ("no DDP module", "the job's own DDP communication hook", "DDP join with "
+               "divide_by_initial_world_size=False", "registration failed")
+
+
+def find_ddp(model):
+    """The DistributedDataParallel module the Recorder was given (or one inside it), or None."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # (a torch built without distributed)
+        return None
+    return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None) \
+        if model is not None else None
+
+
+class LocalGradients:
+    def __init__(self, model):
+        self.ddp = find_ddp(model)
+        self.pending: list[torch.Tensor] = []  # this step's bucket norms (0-d, on the device)
+        self.on = False
+        self.status = "waiting" if self.ddp is not None else OFF_REASONS[0]  # (the trace's local_grad_norms)
+
+    def attach(self) -> None:
+        """Register the hook, unless the job has a hook of its own (or DDP would divide otherwise)."""
+        ddp, self.ddp = self.ddp, None  # (tried once)
+        if ddp is None:
+            return
+        try:
+            if ddp._comm_hooks or ddp._get_ddp_logging_data().get("comm_hook"):
+                self.status = OFF_REASONS[1]  # (mixed_precision= and fused optimizers register one too)
+                return
+            if getattr(ddp, "_divide_by_initial_world_size", True) is not True:
+                self.status = OFF_REASONS[2]  # (DDP then divides by the ranks not yet joined; the hook could not)
+                return
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            self._allreduce = allreduce_hook
+            ddp.register_comm_hook(ddp.process_group, self._hook)
+        except Exception as e:  # (a DDP of another torch: no local norms, training untouched)
+            self.status = f"{OFF_REASONS[3]}: {type(e).__name__}"
+            return
+        self.on, self.status = True, "recorded"
+
+    def _hook(self, process_group, bucket):
+        if self.on:
+            try:  # before allreduce_hook divides the bucket in place (the same stream: ordered)
+                self.pending.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32))
+            except Exception:
+                self.on, self.status = False, "stopped: the bucket norm failed"
+        return self._allreduce(process_group, bucket)
+
+    def stop(self) -> None:
+        self.on = False
+        self.pending = []
+
+    def take(self) -> list[torch.Tensor]:
+        """This step's bucket norms (and a fresh list for the next step)."""
+        p, self.pending = self.pending, []
+        return p
+
+
+def combine(values) -> float:
+    """The local gradient norm from its buckets' norms (NaN if none; NaN/Inf if any bucket is)."""
+    if not len(values):
+        return math.nan
+    return math.sqrt(sum(float(v) * float(v) for v in values))
