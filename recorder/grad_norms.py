@@ -6,6 +6,7 @@ black box fires then: recorder.before_optimizer_step)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import weakref
@@ -36,6 +37,11 @@ class GradientNorms:
         self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in entries)
         self.saw_optimizer = False  # an optimizer step of the model's parameters was seen
         self.fused_option: bool | None = None  # (RecorderConfig.fused_reductions: one transfer, as on a GPU)
+        # Whether this step's optimizer steps used the very gradient tensors their previous steps
+        # used (1), never set to None in between: a loop without zero_grad() (or one that zeroes
+        # them in place); 0: new ones; -1: no optimizer step judged. One weakref per optimizer.
+        self.kept = -1
+        self._last_grad: dict[int, weakref.ref] = {}  # id(optimizer) -> its first gradient, last step
 
     def judge(self, optimizer, step: int) -> list[int] | None:
         """Take the norms of the gradients of ``optimizer``'s parameters of the model (one host
@@ -47,6 +53,8 @@ class GradientNorms:
             return None  # not an optimizer of the watched model
         grads = list(map(self._grad_of, params))
         seen = self._handled_at.get(id(optimizer))
+        if seen is None or seen[0] != step:  # (once per optimizer and step: a closure judges again)
+            self._note_kept(optimizer, grads)
         if seen is not None and seen[0] == step and seen[1] < len(self.entries):
             # Judged already this step: nothing new to see unless the gradients changed
             # since (other tensors, or written in place: a closure's backward run again).
@@ -81,6 +89,21 @@ class GradientNorms:
             # failure: each gradient is checked.
             return [i for i, g in zip(index, grads) if not bool(torch.isfinite(g).all())]
 
+    def _note_kept(self, optimizer, grads: list) -> None:
+        first = next((g for g in grads if g is not None), None)
+        if first is None:
+            return
+        last = self._last_grad.get(id(optimizer))
+        if last is not None and last() is first:
+            self.kept = 1
+        elif self.kept < 0 and (last is None or last() is not first):
+            self.kept = 0
+        if last is None or last() is not first:
+            try:
+                self._last_grad[id(optimizer)] = weakref.ref(first)
+            except TypeError:  # (a tensor subclass without weak references: not known)
+                self._last_grad.pop(id(optimizer), None)
+
     def _optimized(self, optimizer) -> tuple[list[int], list[torch.Tensor], bool]:
         """(indices, parameters, whether their gradients' norms take dots: stats.takes_dots) of
         the watched model's parameters in an optimizer's groups; found once per optimizer and
@@ -100,15 +123,29 @@ class GradientNorms:
             self._opt_params[id(optimizer)] = hit
         return hit[2], hit[3], hit[4]
 
+    def _applied(self, n: int) -> list[float] | None:
+        """The norms the optimizer steps of this step judged (NaN for parameters none did), or
+        None if one was NaN/Inf."""
+        norms = [math.nan] * n
+        for index, _, _, values, finite in self.entries:
+            if not finite:
+                return None
+            for i, v in zip(index, values):
+                norms[i] = v
+        return norms
+
     def cached(self) -> list[float] | None:
         """The norm of each parameter's gradient as the optimizer step pre-hook computed it this
         step (NaN for a parameter without a gradient), or None if a gradient was not seen there
         (another optimizer, none), has been replaced or changed in place since, or one is NaN or
-        Inf (a bad step: measured in full)."""
+        Inf (a bad step: measured in full). Gradients all set to None since (a loop that calls
+        zero_grad() before rec.step()) keep the norms the update used."""
         entries = self.entries
         if not entries:
             return None
         now = list(map(self._grad_of, self._params))
+        if all(map(operator.is_, now, itertools.repeat(None))):
+            return self._applied(len(now))
         if len(entries) == 1 and entries[0][0] is self._all_index:  # one optimizer of them all: most jobs
             _, grads, versions, values, finite = entries[0]
             ok = finite and all(map(operator.is_, now, grads)) and list(map(_VERSION, grads)) == versions

@@ -53,6 +53,9 @@ class ParamStats:
                 pk.add("grad_norm", l2_norms(present))
             if watched:
                 add_grad_absmax(pk, present, self.norms.fused_option)
+        else:  # no gradient now: the ones the step's update used, if cleared since (grad_norms.cached)
+            seen = self.norms.cached()
+            cached = np.asarray(seen, dtype=np.float64) if seen is not None else None
         # Weight norms on watched steps, and on the step before an update ratio (its
         # ||w_before||); other steps write -1 (not measured) unless they go bad.
         plan = self.planner
@@ -123,9 +126,11 @@ class ParamStats:
         """The step's params/ row (float64 and int64: the writer stores float32/int32) and its
         exact NaN/Inf gradient counts; ``full``: a watched or bad step, max |g| measured. Takes
         the weights the next sampled update will be compared against (call under no_grad())."""
-        has, present, _, weights, _, _ = self._s
+        has, present, cached, weights, _, _ = self._s
         n_params = len(self._params)
         grad_norm = None if present and len(has) == n_params else np.full(n_params, np.nan)
+        if not present and cached is not None:
+            grad_norm = cached
         grad_absmax = np.full(n_params, np.nan) if full else None  # None: not measured
         grad_bad = self.no_bad_grads  # exact NaN/Inf element counts (a shared row of zeros)
         if present:

@@ -263,6 +263,7 @@ class Recorder:
                 self._fail(e)
             self._in_step_since = None
             self.norms.entries = []
+            self.norms.kept = -1
             if self.local_grads.ddp is not None and self._active:  # (after the job's first backward: local_grads.py)
                 self.local_grads.attach()
         if self._active:

@@ -100,6 +100,10 @@ class OptimizerSchedule:
         self._used: dict[int, list[tuple]] = {}  # this iteration's values, per optimizer index
         self._next: dict[int, list[tuple]] = {}  # the values as the last rec.step() left them
         self._new: list[dict] = []  # optimizers first seen this iteration (rows of optimizers/)
+        # The model's parameters in an optimizer first seen, or whose groups changed, this
+        # iteration (rows of optimizer_params/): which parameters it steps, and which of them
+        # required gradients then (a frozen one in an optimizer never moves).
+        self._members: list[dict] = []
         self.steps_now = 0  # the model's optimizer steps in this iteration
         self.skipped = False  # the last iteration: no optimizer step, and a GradScaler is in use
         self.last_steps = -1  # the last iteration's optimizer steps
@@ -136,6 +140,9 @@ class OptimizerSchedule:
                     self._last.append(None)
                     k = len(self._order) - 1
                     self._new.append({"optimizer": k, "class": type(optimizer).__name__[:200]})
+                self._members.extend({"optimizer": k, "param": i, "requires_grad": int(p.requires_grad)}
+                                     for g in groups for p in g["params"]
+                                     if (i := self._param_ids.get(id(p))) is not None)
                 keys = [_hyper_keys(g) for g in groups]
                 tensors = any(isinstance(g[x], torch.Tensor) for g, ks in zip(groups, keys) for x in ks)
                 if k < len(self._keys):
@@ -253,9 +260,10 @@ class OptimizerSchedule:
         if first and "lr" in self._keys[0][0]:
             lr = _float(first[0][self._keys[0][0].index("lr")])
         tables = None
-        if rows or self._new:
-            tables = {"hyperparams": rows or [], "optimizers": [{**o, "first_step": step} for o in self._new]}
-            self._new = []
+        if rows or self._new or self._members:
+            tables = {"hyperparams": rows or [], "optimizers": [{**o, "first_step": step} for o in self._new],
+                      "optimizer_params": [{"step": step, **m} for m in self._members]}
+            self._new, self._members = [], []
         # Where steps may be skipped (a GradScaler), the values a skipped step would have used
         # are those before the scheduler's next step: read them now, at this rec.step().
         self._next = {}

@@ -88,6 +88,10 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             # them (local_grads.py); NaN where not measured (not DDP, the first step, a job's own
             # communication hook, a step without a gradient sync).
             Column("local_grad_norm", "f4"),
+            # 1 if the step's optimizer step used the very gradient tensors of the previous one
+            # (never set to None in between: no zero_grad(), or zero_grad(set_to_none=False)),
+            # 0 if new ones, -1 if no optimizer step was seen (grad_norms.py).
+            Column("grads_kept", "i1"),
         ],
         # Every numeric hyper-parameter of each param group (lr, momentum, betas.0, weight_decay,
         # ...): a row when first seen and whenever it changes; a value holds until its next row.
@@ -99,6 +103,10 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("value", "f8"),
         ],
         "optimizers": [Column("optimizer", "i4"), Column("class", "str"), Column("first_step", "i8")],
+        # The model's parameters each optimizer steps: rows when it is first seen and whenever its
+        # groups change (add_param_group), each with the parameter's requires_grad then.
+        "optimizer_params": [Column("step", "i8"), Column("optimizer", "i4"), Column("param", "i4"),
+                             Column("requires_grad", "i1")],
         "params": [
             Column("grad_norm", "f4", n_params),
             Column("grad_absmax", "f4", n_params),

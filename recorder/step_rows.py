@@ -176,6 +176,7 @@ class StepRows:
             "data_wait_s": wait, "between_steps_s": between, "forward_s": forward, "backward_s": backward,
             "recorder_s": own,
             "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2], "local_grad_norm": local_grad,
+            "grads_kept": self.norms.kept,
         }
         if sched[3] is not None:
             rows.update(sched[3])

@@ -66,6 +66,8 @@ def trace_header(model, param_names: list[str], params: list, watcher, config, r
             "dtype": ([str(p.dtype).replace("torch.", "") for p in params], "str"),
             # >1: a sharded (FSDP2) parameter, measured by this rank's shard (sharding.py)
             "shards": ([sharding.shards(p) for p in params], "i8"),
+            # 1 if the parameter required gradients when the Recorder started (0: frozen)
+            "requires_grad": ([int(p.requires_grad) for p in params], "i8"),
         },
         "modules": {
             "name": (watcher.names, "str"),

@@ -84,8 +84,7 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             anchor=anchors[id(f)], kind=f.kind, severity=f.severity, step=f.step,
             rank=f.rank if len(trace.ranks) > 1 else None,
             where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
-            code=tuple(str(code.get(w, "")) for w in f.where[:MAX_WHERE]) if isinstance(
-                code := f.evidence.get("code") if isinstance(f.evidence, dict) else None, dict) else (),
+            code=_code_places(f.where[:MAX_WHERE], f.evidence),
             summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
     verdict = build_verdict(findings, len(trace.ranks), anchors)
     first = next((v for v in views if v.anchor == verdict.first_anchor), None)
@@ -145,3 +144,17 @@ def _more_findings(rest: list[Finding]) -> Table | None:
     return Table(f"{len(rest):,} more findings", "One line each; the JSON report (--json) holds them in full.",
                  ("severity", "kind", "step", "rank", "where", "summary"), rows,
                  (False, False, True, True, False, False), widths=(9, 16, 7, 5, 22, 41))
+
+
+def _code_places(where: list[str], evidence) -> tuple[str, ...]:
+    """Where each name's code is (evidence["code"]), "" where not known or said just before (two
+    parameters of one module)."""
+    code = evidence.get("code") if isinstance(evidence, dict) else None
+    if not isinstance(code, dict):
+        return ()
+    out, last = [], None
+    for w in where:
+        place = str(code.get(w, ""))
+        out.append("" if place == last else place)
+        last = place or last
+    return tuple(out)

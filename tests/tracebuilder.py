@@ -42,7 +42,7 @@ LAYOUT: dict[str, list[tuple]] = {
               ("nonfinite_consumer", "i4"), ("output_grad_nonfinite", "i1"), ("live_tensors", "i8"),
               ("live_tensor_bytes", "i8"), ("live_tensors_with_graph", "i8"), ("gc_s", "f4"),
               ("gc_gen2", "i4"), ("lr", "f8"), ("loss_scale", "f4"), ("optimizer_steps", "i4"),
-              ("local_grad_norm", "f4")],
+              ("local_grad_norm", "f4"), ("grads_kept", "i1")],
     "params": [("grad_norm", "f4", P), ("grad_absmax", "f4", P), ("grad_nonfinite", "i4", P),
                ("param_norm", "f4", P)],
     "modules": [("output_absmax", "f4", M)],
@@ -387,7 +387,8 @@ class TraceBuilder:
             n = len(self.params)
             static = {"params": {"name": (self.params, "str"), "shape": ([json.dumps(s) for s in self.shapes], "str"),
                                  "numel": ([int(np.prod(s)) for s in self.shapes], "i8"),
-                                 "dtype": (["float32"] * n, "str"), "shards": ([1] * n, "i8")},
+                                 "dtype": (["float32"] * n, "str"), "shards": ([1] * n, "i8"),
+                                 "requires_grad": ([1] * n, "i8")},
                       "modules": {"name": (self.modules, "str"), "type": (self.types, "str"),
                                   "is_leaf": (_leaves(self.modules), "i8"),
                                   "class_source": ([""] * len(self.modules), "str"),

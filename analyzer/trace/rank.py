@@ -21,6 +21,7 @@ from .format import (module_label, ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, 
                      UNMEASURED_IS_NEGATIVE,
                      _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .liveness import Liveness
+from .training_setup import TrainingSetup
 from .memory_tables import MemoryTables
 from .site_tables import SiteTables
 from .step_columns import NOT_MEASURED_IS_MINUS_ONE, STEP_COLUMNS, StepColumns
@@ -38,7 +39,7 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness):
+class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, TrainingSetup):
     """One rank's trace, read lazily; every DataFrame it returns is read-only."""
 
     def __init__(self, path: str):

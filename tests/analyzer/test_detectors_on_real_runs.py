@@ -2,10 +2,12 @@
 
 import json
 
+import numpy as np
 import torch
 from torch import nn
 
 from tests import training
+import torchautopsy
 from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
 
@@ -49,9 +51,34 @@ def test_healthy_run_is_quiet(tmp_path):
     assert kinds(findings) == [], [f.summary for f in findings]
 
 
-def test_gradients_read_after_zero_grad_say_so_instead_of_crashing(tmp_path):
+def test_gradients_cleared_before_rec_step_are_those_the_optimizer_step_used(tmp_path):
+    """`opt.step(); opt.zero_grad(); rec.step()`: the norms come from the optimizer step's hook."""
     torch.manual_seed(0)
-    findings = analyze(train(tmp_path, mlp(), step_before_zero_grad=False))
+    early = train(tmp_path / "early", mlp(), step_before_zero_grad=False)
+    torch.manual_seed(0)
+    right = train(tmp_path / "right", mlp())
+    np.testing.assert_array_equal(early.ranks[0].param_stat("grad_norm").to_numpy(),
+                                  right.ranks[0].param_stat("grad_norm").to_numpy())
+    assert kinds(analyze(early)) == []
+
+
+def test_gradients_read_after_they_were_cleared_say_so_instead_of_crashing(tmp_path):
+    """A hand-written update (no optimizer step for a hook to see) whose loop clears the gradients
+    before rec.step(): no gradient is recorded, and the detectors say why."""
+    torch.manual_seed(0)
+    model = mlp()
+    g = torch.Generator().manual_seed(1)
+    with torchautopsy.Recorder(model, tmp_path / "run") as rec:
+        for _ in range(60):
+            x = torch.randn(32, 8, generator=g)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            model.zero_grad()  # the mistake: gradients gone before rec.step()
+            rec.step(loss=loss)
+    findings = analyze(load(tmp_path / "run"))
     # (on a loaded machine a slow_steps info may come too: steps here take a millisecond)
     info = [f for f in findings if f.kind in ("exploding_gradients", "vanishing_gradients")]
     assert {f.kind for f in info} == {"exploding_gradients", "vanishing_gradients"}

@@ -92,3 +92,26 @@ def test_nan_born_in_one_micro_batch_names_its_module(tmp_path):
     _run(tmp_path / "run", plant)
     f = _nan_finding(tmp_path, tmp_path / "run")
     assert f["step"] == 23 and f["where"] == ["3"] and f["evidence"]["stage"] == "forward", f
+
+
+def test_a_loop_that_clears_the_gradients_before_rec_step_records_those_the_update_used(tmp_path):
+    """`opt.step(); opt.zero_grad(); rec.step()`: the gradients are gone at rec.step(); their norms
+    are those the optimizer step pre-hook took, the same as in a loop that clears them after."""
+    rows = {}
+    for order in ("after", "before"):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        with torchautopsy.Recorder(model, tmp_path / order, activations_every=4) as rec:
+            for step in range(12):
+                loss = model(torch.randn(8, 8, generator=g)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                if order == "before":
+                    opt.zero_grad()
+                rec.step(loss=loss)
+                if order == "after":
+                    opt.zero_grad()
+        rows[order] = torchautopsy.load(tmp_path / order).ranks[0].param_stat("grad_norm").to_numpy()
+    assert np.isfinite(rows["after"]).all() and (rows["after"] > 0).all()
+    np.testing.assert_array_equal(rows["before"], rows["after"])
