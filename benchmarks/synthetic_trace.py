@@ -123,7 +123,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
             "forward_s": np.full(n, 0.015, f32), "backward_s": np.full(n, 0.03, f32),
             "recorder_s": np.full(n, 0.001, f32), "gc_s": np.full(n, 0.0, f32), "gc_gen2": np.zeros(n),
             "lr": np.full(n, 1e-3), "loss_scale": np.full(n, np.nan, f32), "optimizer_steps": np.ones(n),
-            "local_grad_norm": np.full(n, np.nan, f32), "grads_kept": np.zeros(n),
+            "local_grad_norm": np.full(n, np.nan, f32), "grads_kept": np.zeros(n), "train_mode": np.ones(n),
+            "nograd_train_forwards": np.zeros(n),
             # NaN is born in the forward pass of module 1 at the first broken step.
             "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),
             "batch_nonfinite": np.zeros(n), "nonfinite_consumer": np.full(n, -1), "output_grad_nonfinite": np.full(n, -1), "live_tensors": census,

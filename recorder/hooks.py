@@ -83,6 +83,11 @@ class ModuleWatcher:
         self._new_shapes: list[dict] = []
         self.t_forward_start: float | None = None
         self.t_forward_end: float | None = None
+        # The model's mode at its forward passes since the last rec.step(): bit 1 a pass with
+        # gradients in train mode, bit 2 one in eval mode; and passes without gradients in train
+        # mode (an evaluation that forgot model.eval()). Read by step_rows.py, then reset.
+        self.mode_bits = 0
+        self.nograd_train_forwards = 0
         self.out_refs: list = []  # weak references to the step's last training forward's outputs
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
@@ -137,7 +142,12 @@ class ModuleWatcher:
         if compiling():
             return
         self.t_forward_end = time.perf_counter()
-        if torch.is_grad_enabled():  # a training forward: its outputs, for a loss gone NaN (loss_graph.py)
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.mode_bits |= 1 if module.training else 2
+        elif module.training:
+            self.nograd_train_forwards += 1
+        if grad:  # a training forward: its outputs, for a loss gone NaN (loss_graph.py)
             try:
                 with own_work():
                     self.out_refs = mark_outputs(output)

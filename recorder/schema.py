@@ -92,6 +92,11 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             # (never set to None in between: no zero_grad(), or zero_grad(set_to_none=False)),
             # 0 if new ones, -1 if no optimizer step was seen (grad_norms.py).
             Column("grads_kept", "i1"),
+            # The model's mode (its root's .training) at the step's forward passes with gradients:
+            # 1 train, 0 eval, 2 both, -1 none seen (or compiled: not seen); and how many forward
+            # passes without gradients ran in train mode since the previous rec.step().
+            Column("train_mode", "i1"),
+            Column("nograd_train_forwards", "i4"),
         ],
         # Every numeric hyper-parameter of each param group (lr, momentum, betas.0, weight_decay,
         # ...): a row when first seen and whenever it changes; a value holds until its next row.

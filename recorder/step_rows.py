@@ -165,6 +165,9 @@ class StepRows:
         wait, between, forward, backward, own = self.clock.split(w.t_forward_start, w.t_forward_end, t_called)
         w.t_forward_start = w.t_forward_end = None
         w.out_refs = []
+        mode = _MODE[w.mode_bits]
+        nograd_train = w.nograd_train_forwards
+        w.mode_bits = w.nograd_train_forwards = 0
         rows["steps"] = {
             "step": step, "time_s": time_s, "loss": loss_value, "loss_given": int(self.loss_given), "rss_bytes": rss,
             "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
@@ -176,7 +179,7 @@ class StepRows:
             "data_wait_s": wait, "between_steps_s": between, "forward_s": forward, "backward_s": backward,
             "recorder_s": own,
             "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2], "local_grad_norm": local_grad,
-            "grads_kept": self.norms.kept,
+            "grads_kept": self.norms.kept, "train_mode": mode, "nograd_train_forwards": nograd_train,
         }
         if sched[3] is not None:
             rows.update(sched[3])
@@ -191,6 +194,9 @@ class StepRows:
             return None
         return trigger(self.loss_given, loss_value, grad_bad, mods,
                        lambda: self.norms.saw_optimizer or self.schedule.scaler_skipped())
+
+
+_MODE = (-1, 1, 0, 2)  # the hooks' mode bits -> steps/train_mode: none, train, eval, both
 
 
 def _loss_value(loss, host: dict) -> float:

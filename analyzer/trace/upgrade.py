@@ -24,7 +24,9 @@ ADDED = {
     "steps/loss_given": -1,  # 1 if rec.step() was given a loss; -1: not said
     "steps/output_grad_nonfinite": -1,  # the gradient at the model's outputs held NaN/Inf
     "steps/local_grad_norm": np.nan,  # a DDP rank's own gradient norm before the all-reduce
-    "steps/grads_kept": -1,  # whether the optimizer step used the previous step's gradient tensors
+    "steps/grads_kept": -1,
+    "steps/train_mode": -1,  # the model's mode at the step's forward passes: not seen
+    "steps/nograd_train_forwards": -1,  # whether the optimizer step used the previous step's gradient tensors
     "params/shards": 1,  # FSDP2: before it, every parameter was whole on its rank
     "census_groups/grad_fn": b"",  # the op that made a census group's tensors: unknown
     "module_outputs/grad_fn": b"",
