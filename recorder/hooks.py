@@ -36,6 +36,7 @@ from torch import nn
 
 from .functional import compiling
 from .histograms import histogram
+from .input_stats import InputStats
 from .loss_graph import mark_outputs
 from .profiler import own_work
 from .stats import Packer, combine_stats, floating_tensors
@@ -68,7 +69,8 @@ class ModuleWatcher:
         # Also check forward passes under no_grad (the replay of a step runs under no_grad).
         self.check_no_grad = False
         # The step's timing needs only the root module, hooked on every step.
-        self._timing_handles = [self.modules[0].register_forward_pre_hook(self._timing_pre_hook),
+        self.inputs = InputStats()  # the batch's statistics, every training forward (input_stats.py)
+        self._timing_handles = [self.modules[0].register_forward_pre_hook(self._timing_pre_hook, with_kwargs=True),
                                 self.modules[0].register_forward_hook(self._timing_hook)]
         self.sample_activations = False
         # Histograms of these modules' outputs (module index -> row) on histogram steps, and
@@ -129,14 +131,21 @@ class ModuleWatcher:
                 h.remove()
             self._handles = []
 
-    def _timing_pre_hook(self, module, args):
+    def _timing_pre_hook(self, module, args, kwargs):
         if compiling():
             # Not run here but replayed by the compiled code after each call (Dynamo keeps a
             # traced attribute store as a side effect): the forward ran compiled.
             self.compiled = True
-            return
+            return None
         if self.t_forward_start is None:
             self.t_forward_start = time.perf_counter()
+        if torch.is_grad_enabled():  # a training forward: its batch's statistics
+            try:
+                with own_work():
+                    self.inputs.on_forward(args, kwargs)
+            except Exception as e:  # never into the training's forward
+                self._on_error(e)
+        return None
 
     def _timing_hook(self, module, args, output):
         if compiling():

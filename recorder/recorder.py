@@ -221,6 +221,7 @@ class Recorder:
         samples, bb = self.captures.samples, self.captures.blackbox
         w.sample_tensors = samples is not None and samples.due(step)
         self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
+        w.inputs.watched = self._watched  # (the batch's zero share and constant features too)
         if self._watched or w.watching:  # (from one plain step to the next nothing changes)
             w.watch(self._watched)
             functional.watching(self, self._watched)

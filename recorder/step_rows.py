@@ -13,6 +13,7 @@ import torch
 from .captures import trigger
 from .fingerprint import device_fingerprints, pieces_to_int64
 from .histograms import N_BINS
+from .input_stats import INPUT_COLUMNS, InputStats
 from .local_grads import LocalGradients, combine
 from .nan_origin import loss_is_bad
 from .stats import Packer
@@ -29,6 +30,8 @@ class StepRows:
         self.device = device  # the model's, as of the last recorded step
         self.fingerprint_every = 0  # (recorder.py sets it from the config)
         self.local_grads = LocalGradients(None)  # (recorder.py sets the model's)
+        self.inputs = watcher.inputs  # the batch's statistics (input_stats.py)
+        self.input_row = InputStats().combine(())  # (the row of a step without inputs)
         self.loss_given = False
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
@@ -48,27 +51,20 @@ class StepRows:
         norms = self.norms.cached()
         if norms is None:
             return False
-        local = taken = self.local_grads.take()
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                self.local_grads.pending = taken
-                return False
-            if local and local[0].device == loss.device:  # (DDP: the bucket norms in the loss's transfer)
-                values = torch.stack([*local, loss.detach().reshape(()).float()]).tolist()
-                loss_value, local = values[-1], values[:-1]
-            else:
-                loss_value = loss.item()
-        else:
-            loss_value = float("nan") if loss is None else float(loss)
-        if local and isinstance(local[0], torch.Tensor):
-            local = torch.stack(local).tolist()
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            return False
+        local, inputs = self.local_grads.take(), self.inputs.take()
+        # One transfer: the loss, DDP's local bucket norms and the batch's statistics.
+        loss_value, (local_v, inputs_v) = _to_host(loss, [torch.stack(local)] if local else [], inputs)
         if loss is not None and not math.isfinite(loss_value):
-            self.local_grads.pending = taken
+            self.local_grads.pending = local
+            self.inputs.put_back(inputs)
             return False  # a bad step is measured in full
         self.loss_given = loss is not None
         mods = self.unwatched  # (no module hooked: nothing to finish)
         ps = self.param_stats
-        self._write(step, t_called, loss_value, combine(local), mods, sched, {
+        self.input_row = self.inputs.combine(inputs_v)
+        self._write(step, t_called, loss_value, combine(local_v), mods, sched, {
             "params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
                        "param_norm": ps.unmeasured},
             "modules": {"output_absmax": mods["output_absmax"]}})
@@ -93,9 +89,11 @@ class StepRows:
             fingerprint = self.fingerprint_every and step % self.fingerprint_every == 0 and self._params
             if fingerprint:
                 pk.add("fingerprint", device_fingerprints(self._params))
-            local = self.local_grads.take()
+            local, inputs = self.local_grads.take(), self.inputs.take()
             if local:
                 pk.add("local_grad", local)
+            if inputs:
+                pk.add("inputs", torch.cat(inputs))
             if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
                 if pk.empty:
                     loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
@@ -141,6 +139,7 @@ class StepRows:
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["module_outputs"] = self.watcher.take_new_shapes()
+        self.input_row = self.inputs.combine(host.get("inputs", ()))
         self._write(step, t_called, loss_value, combine(host.get("local_grad", ())), mods, sched, rows)
         task = self.profiler.end(step)
         if task is not None:
@@ -180,6 +179,7 @@ class StepRows:
             "recorder_s": own,
             "lr": sched[0], "loss_scale": sched[1], "optimizer_steps": sched[2], "local_grad_norm": local_grad,
             "grads_kept": self.norms.kept, "train_mode": mode, "nograd_train_forwards": nograd_train,
+            **dict(zip(INPUT_COLUMNS, self.input_row)),
         }
         if sched[3] is not None:
             rows.update(sched[3])
@@ -194,6 +194,36 @@ class StepRows:
             return None
         return trigger(self.loss_given, loss_value, grad_bad, mods,
                        lambda: self.norms.saw_optimizer or self.schedule.scaler_skipped())
+
+
+def _to_host(loss, *groups: list[torch.Tensor]) -> tuple[float, list[list[float]]]:
+    """(the loss as a float, each group's tensors flattened to floats) in one device->host copy
+    (a copy per device where they are on several)."""
+    parts = [t if t.dim() == 1 else t.reshape(-1) for g in groups for t in g]  # (1-D already: no view op)
+    with torch.no_grad():  # (the loss joins a cat: no graph recorded, no detach op)
+        if isinstance(loss, torch.Tensor):
+            if not parts:  # most steps of most jobs: the loss alone
+                return loss.item(), [[] for _ in groups]
+            parts.append(loss.reshape(1))
+        if not parts:
+            values = []
+        elif len(parts) == 1:
+            values = parts[0].tolist()
+        else:
+            try:
+                values = torch.cat(parts).tolist()  # (cat promotes to one dtype)
+            except RuntimeError:  # several devices (model parallel)
+                values = [v for p in parts for v in p.tolist()]
+    if isinstance(loss, torch.Tensor):
+        loss_value = float(values.pop())
+    else:
+        loss_value = float("nan") if loss is None else float(loss)
+    out, i = [], 0
+    for g in groups:
+        n = sum(t.numel() for t in g)
+        out.append(values[i:i + n])
+        i += n
+    return loss_value, out
 
 
 _MODE = (-1, 1, 0, 2)  # the hooks' mode bits -> steps/train_mode: none, train, eval, both

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 NOT_MEASURED_IS_MINUS_ONE = ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
                              "live_tensors", "live_tensor_bytes", "live_tensors_with_graph", "gc_gen2",
                              "optimizer_steps", "loss_given", "output_grad_nonfinite", "grads_kept",
-                             "train_mode", "nograd_train_forwards")
+                             "train_mode", "nograd_train_forwards", "input_constant_features")
 STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
                 "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *upgrade.step_columns())
 

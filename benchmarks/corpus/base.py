@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 KINDS = ("exploding_gradients", "vanishing_gradients", "nonfinite", "dead_relu", "attention_collapse",
-         "memory_leak")
+         "memory_leak", "params_not_learning", "missing_zero_grad", "train_eval_mode", "input_data")
 
 
 # Oracle.where of a NaN/Inf born in the loss function (its forward or its backward), outside the

@@ -1,0 +1,111 @@
+"""Statistics of the batch as the model receives it, every step: its first floating-point input
+(positional, else keyword: ``pixel_values=``), reduced on its device when the root's forward
+starts, brought to the host with the step's loss.
+
+Every training forward pass (one with gradients): min and max (one ``aminmax``) and mean and
+variance (one ``var_mean``), stacked: 3 ops, 4 numbers. On watched steps also the count of exact
+zeros (``count_nonzero``) and, for a 2-D batch (samples x features), each feature's standard
+deviation over the batch (one ``std``, the first 4,096 features), from which the host counts the
+constant features and the largest std over the smallest non-zero one. Taken over the first
+samples, up to 65,536 elements on the CPU and 2M on a GPU (the whole batch of most jobs), as the
+module statistics are.
+
+What the analyzer reads from them: inputs never normalised (0..255 images, raw units), a
+constant or all-zero batch, features of wildly different scales, a shift mid-run
+(detectors/input_data.py). Integer inputs (token ids) have none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .watch_batch import stats_part
+
+CPU_ELEMENTS, GPU_ELEMENTS = 1 << 16, 1 << 21
+MAX_FEATURES = 4096  # per-feature stds brought to the host on a watched step
+# The steps/ columns of InputStats.combine's row, in its order.
+INPUT_COLUMNS = ("input_min", "input_max", "input_mean", "input_std", "input_zero_share", "input_constant_features",
+                 "input_std_ratio")
+_NONE = (math.nan,) * 4 + (math.nan, -1, math.nan)  # a step without a floating input
+
+
+def first_floating(args, kwargs):
+    """The first floating-point tensor among a forward's positional, then keyword, arguments."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    for a in (kwargs or {}).values():
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    return None
+
+
+class InputStats:
+    def __init__(self):
+        self.pending: list[torch.Tensor] = []  # one vector per training forward of this step
+        self.watched = False  # this step takes the watched step's extra numbers
+        self._shapes: list[tuple[int, int, int]] = []  # per vector: (its length, elements, features)
+        self._taken: list[tuple[int, int, int]] = []
+
+    def on_forward(self, args, kwargs) -> None:
+        x = first_floating(args, kwargs)
+        if x is None or x.numel() == 0 or x.is_sparse:
+            return
+        with torch.no_grad():
+            v = stats_part(x, CPU_ELEMENTS if x.device.type == "cpu" else GPU_ELEMENTS)
+            lo, hi = torch.aminmax(v)
+            var, mean = torch.var_mean(v, correction=0)
+            if not self.watched:
+                self.pending.append(torch.stack([lo, hi, mean, var]))
+                self._shapes.append((4, v.numel(), 0))
+                return
+            # (stack and cat promote: one dtype for the transfer)
+            vec = torch.stack([lo, hi, mean, var, torch.count_nonzero(v)])
+            features = 0
+            if v.dim() == 2 and v.shape[0] >= 2:
+                features = min(v.shape[1], MAX_FEATURES)
+                vec = torch.cat([vec, v[:, :features].std(dim=0)])
+            self.pending.append(vec)
+            self._shapes.append((5 + features, v.numel(), features))
+
+    def take(self) -> list[torch.Tensor]:
+        """This step's vectors (combine() reads their host values)."""
+        p, self.pending = self.pending, []
+        self._taken, self._shapes = self._shapes, []
+        return p
+
+    def put_back(self, pending: list[torch.Tensor]) -> None:
+        self.pending, self._shapes, self._taken = pending, self._taken, []
+
+    def combine(self, values) -> tuple:
+        """The step's row (INPUT_COLUMNS) from the host values of take()'s vectors: the min of
+        the forwards' mins, the max of their maxes, the mean of their means, the largest std, the
+        last forward's zero share and feature counts; NaN/-1 where not taken (a NaN anywhere in a
+        field makes it NaN)."""
+        values = [float(v) for v in values]
+        shapes, self._taken = self._taken, []
+        if not values or len(values) != sum(n for n, _, _ in shapes):
+            return _NONE
+        rows, i = [], 0
+        for n, _, _ in shapes:
+            rows.append(values[i:i + n])
+            i += n
+        lo, hi = _nan_or(min, [r[0] for r in rows]), _nan_or(max, [r[1] for r in rows])
+        mean = sum(r[2] for r in rows) / len(rows)
+        std = _nan_or(max, [math.sqrt(r[3]) if r[3] >= 0 else math.nan for r in rows])
+        last, (n, numel, features) = rows[-1], shapes[-1]
+        if n == 4:
+            return lo, hi, mean, std, math.nan, -1, math.nan
+        zero = 1.0 - last[4] / numel
+        if not features:
+            return lo, hi, mean, std, zero, -1, math.nan
+        stds = last[5:]
+        positive = [s for s in stds if s > 0]
+        ratio = max(positive) / min(positive) if positive else math.nan
+        return lo, hi, mean, std, zero, sum(1 for s in stds if s == 0), ratio
+
+
+def _nan_or(fn, xs: list[float]) -> float:
+    return math.nan if any(x != x for x in xs) else fn(xs)
