@@ -179,6 +179,9 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
         # model's outputs were finite on the step itself (1 NaN/Inf, 0 finite, -1 not known) and
         # the loss's autograd ops from the loss to the outputs (JSON list; null: not found).
         "loss_checks": [Column("step", "i8"), Column("outputs_nonfinite", "i1"), Column("ops", "str")],
+        # The loss function's autograd ops (loss_graph.loss_ops), once: at the first step whose
+        # loss reached the model's outputs (a cross-entropy: NllLossBackward0, ...).
+        "loss_function": [Column("step", "i8"), Column("ops", "str")],
         # While no step comes (heartbeat.py): a row per heartbeat, what the training thread was
         # doing; its Python stack (JSON [[file, line, function, code], ...], innermost last) once
         # the step is long overdue, when it changed ("" otherwise).

@@ -4,6 +4,7 @@ The Recorder (recorder.py) decides when; this is the work of each step."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -15,6 +16,7 @@ from .fingerprint import device_fingerprints, pieces_to_int64
 from .histograms import N_BINS
 from .input_stats import INPUT_COLUMNS, InputStats
 from .local_grads import LocalGradients, combine
+from .loss_graph import loss_ops
 from .nan_origin import loss_is_bad
 from .stats import Packer
 
@@ -33,6 +35,7 @@ class StepRows:
         self.inputs = watcher.inputs  # the batch's statistics (input_stats.py)
         self.input_row = InputStats().combine(())  # (the row of a step without inputs)
         self.loss_given = False
+        self.loss_function_seen = False  # (loss_function/ written)
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
 
@@ -64,10 +67,12 @@ class StepRows:
         mods = self.unwatched  # (no module hooked: nothing to finish)
         ps = self.param_stats
         self.input_row = self.inputs.combine(inputs_v)
-        self._write(step, t_called, loss_value, combine(local_v), mods, sched, {
-            "params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
-                       "param_norm": ps.unmeasured},
-            "modules": {"output_absmax": mods["output_absmax"]}})
+        rows = {"params": {"grad_norm": norms, "grad_absmax": ps.unmeasured, "grad_nonfinite": ps.no_bad_grads,
+                           "param_norm": ps.unmeasured},
+                "modules": {"output_absmax": mods["output_absmax"]}}
+        if not self.loss_function_seen:
+            self._loss_function(step, loss, rows)
+        self._write(step, t_called, loss_value, combine(local_v), mods, sched, rows)
         self.captures.end_step(step)
         return True
 
@@ -140,6 +145,8 @@ class StepRows:
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["module_outputs"] = self.watcher.take_new_shapes()
         self.input_row = self.inputs.combine(host.get("inputs", ()))
+        if not self.loss_function_seen:
+            self._loss_function(step, loss, rows)
         self._write(step, t_called, loss_value, combine(host.get("local_grad", ())), mods, sched, rows)
         task = self.profiler.end(step)
         if task is not None:
@@ -186,6 +193,16 @@ class StepRows:
         self.writer.put(rows)
         if snapshot_task is not None:
             self.writer.put_task(snapshot_task)
+
+    def _loss_function(self, step: int, loss, rows: dict) -> None:
+        """The loss function's ops, once (the analyzer's initial-loss check: a cross-entropy starts
+        near ln(classes)); the outputs are marked on training forwards (loss_graph.py)."""
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return
+        ops = loss_ops(loss)
+        if ops is not None:
+            self.loss_function_seen = True
+            rows["loss_function"] = {"step": step, "ops": json.dumps(ops)}
 
     def trigger(self, loss_value: float, grad_bad, mods) -> str | None:
         """Why the black box fires at rec.step() on this step, or None. Once an optimizer step of

@@ -9,6 +9,8 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from .format import parse_json
+
 
 class TrainingSetup:
     """Mixed into RankTrace."""
@@ -38,3 +40,28 @@ class TrainingSetup:
         # An optimizer's membership is its latest rows (a changed group rewrites them all).
         latest = t.groupby("optimizer")["step"].transform("max")
         return t[t["step"] == latest].reset_index(drop=True)
+
+    @cached_property
+    def loss_function_ops(self) -> list[str] | None:
+        """The loss function's autograd ops (recorder/loss_graph.loss_ops: NllLossBackward0, ...) at
+        the first step whose loss reached the model's outputs; [] when the model computed its own
+        loss; None if not recorded (older traces, no loss tensor given)."""
+        t = self._texts_table("loss_function", ("step", "ops"), ("ops",))
+        if not len(t):
+            return None
+        ops = parse_json(t["ops"].iloc[0])
+        return [str(o)[:100] for o in ops[:64]] if isinstance(ops, list) and all(isinstance(o, str) for o in ops) \
+            else None
+
+    def output_shapes(self, module: int = 0) -> list[tuple[int, ...]]:
+        """The shapes of a module's first floating-point outputs as first seen on a watched step
+        (the root's: module 0), in their order; [] if not recorded."""
+        t = self.module_outputs
+        if not len(t):
+            return []
+        shapes = []
+        for text in t[t["module_index"] == module]["shape"]:
+            shape = parse_json(text)
+            if isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**62 for d in shape):
+                shapes.append(tuple(shape))
+        return shapes
