@@ -126,7 +126,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
             "local_grad_norm": np.full(n, np.nan, f32), "grads_kept": np.zeros(n), "train_mode": np.ones(n),
             "nograd_train_forwards": np.zeros(n),
             **{c: np.full(n, np.nan, f32) for c in ("input_min", "input_max", "input_mean", "input_std",
-                                                    "input_zero_share", "input_std_ratio")},
+                                                    "input_zero_share", "input_nonfinite_share",
+                                                    "input_std_ratio")},
             "input_constant_features": np.full(n, -1),
             # NaN is born in the forward pass of module 1 at the first broken step.
             "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),

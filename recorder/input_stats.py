@@ -4,7 +4,9 @@ starts, brought to the host with the step's loss.
 
 Every training forward pass (one with gradients): min and max (one ``aminmax``) and mean and
 variance (one ``var_mean``), stacked: 3 ops, 4 numbers. On watched steps also the count of exact
-zeros (``count_nonzero``) and, for a 2-D batch (samples x features), each feature's standard
+zeros (``count_nonzero``), the share of NaN/Inf (counted only when the batch's min, max or mean is
+NaN/Inf, which a finite batch never makes: no op otherwise), and, for a 2-D batch (samples x
+features), each feature's standard
 deviation over the batch (one ``std``, the first 4,096 features), from which the host counts the
 constant features and the largest std over the smallest non-zero one. Taken over the first
 samples, up to 65,536 elements on the CPU and 2M on a GPU (the whole batch of most jobs), as the
@@ -26,9 +28,10 @@ from .watch_batch import stats_part
 CPU_ELEMENTS, GPU_ELEMENTS = 1 << 16, 1 << 21
 MAX_FEATURES = 4096  # per-feature stds brought to the host on a watched step
 # The steps/ columns of InputStats.combine's row, in its order.
-INPUT_COLUMNS = ("input_min", "input_max", "input_mean", "input_std", "input_zero_share", "input_constant_features",
-                 "input_std_ratio")
-_NONE = (math.nan,) * 4 + (math.nan, -1, math.nan)  # a step without a floating input
+INPUT_COLUMNS = ("input_min", "input_max", "input_mean", "input_std", "input_zero_share", "input_nonfinite_share",
+                 "input_constant_features", "input_std_ratio")
+_NONE = (math.nan,) * 6 + (-1, math.nan)  # a step without a floating input
+_WATCHED = 5  # numbers before the features' stds on a watched step
 
 
 def first_floating(args, kwargs):
@@ -48,6 +51,7 @@ class InputStats:
         self.watched = False  # this step takes the watched step's extra numbers
         self._shapes: list[tuple[int, int, int]] = []  # per vector: (its length, elements, features)
         self._taken: list[tuple[int, int, int]] = []
+        self._last: torch.Tensor | None = None  # the watched step's last batch part, until combine()
 
     def on_forward(self, args, kwargs) -> None:
         x = first_floating(args, kwargs)
@@ -63,12 +67,13 @@ class InputStats:
                 return
             # (stack and cat promote: one dtype for the transfer)
             vec = torch.stack([lo, hi, mean, var, torch.count_nonzero(v)])
+            self._last = v  # (its NaN/Inf counted in combine() if its statistics say it has any)
             features = 0
             if v.dim() == 2 and v.shape[0] >= 2:
                 features = min(v.shape[1], MAX_FEATURES)
                 vec = torch.cat([vec, v[:, :features].std(dim=0)])
             self.pending.append(vec)
-            self._shapes.append((5 + features, v.numel(), features))
+            self._shapes.append((_WATCHED + features, v.numel(), features))
 
     def take(self) -> list[torch.Tensor]:
         """This step's vectors (combine() reads their host values)."""
@@ -76,17 +81,27 @@ class InputStats:
         self._taken, self._shapes = self._shapes, []
         return p
 
+    def _nonfinite_share(self, row: list[float]) -> float:
+        """The last watched batch's share of NaN/Inf: 0 unless its min, max or mean is not finite
+        (then counted: a second transfer, on that step only)."""
+        v, self._last = self._last, None
+        if all(math.isfinite(x) for x in row[:3]) or v is None:
+            return 0.0
+        with torch.no_grad():
+            return float((~torch.isfinite(v)).sum()) / max(1, v.numel())
+
     def put_back(self, pending: list[torch.Tensor]) -> None:
         self.pending, self._shapes, self._taken = pending, self._taken, []
 
     def combine(self, values) -> tuple:
         """The step's row (INPUT_COLUMNS) from the host values of take()'s vectors: the min of
         the forwards' mins, the max of their maxes, the mean of their means, the largest std, the
-        last forward's zero share and feature counts; NaN/-1 where not taken (a NaN anywhere in a
-        field makes it NaN)."""
+        last forward's zero and NaN/Inf shares and feature counts; NaN/-1 where not taken (a NaN
+        anywhere in a field makes it NaN)."""
         values = [float(v) for v in values]
         shapes, self._taken = self._taken, []
         if not values or len(values) != sum(n for n, _, _ in shapes):
+            self._last = None
             return _NONE
         rows, i = [], 0
         for n, _, _ in shapes:
@@ -97,14 +112,15 @@ class InputStats:
         std = _nan_or(max, [math.sqrt(r[3]) if r[3] >= 0 else math.nan for r in rows])
         last, (n, numel, features) = rows[-1], shapes[-1]
         if n == 4:
-            return lo, hi, mean, std, math.nan, -1, math.nan
-        zero = 1.0 - last[4] / numel
+            self._last = None
+            return lo, hi, mean, std, math.nan, math.nan, -1, math.nan
+        zero, nonfinite = 1.0 - last[4] / numel, self._nonfinite_share(last)
         if not features:
-            return lo, hi, mean, std, zero, -1, math.nan
-        stds = last[5:]
+            return lo, hi, mean, std, zero, nonfinite, -1, math.nan
+        stds = last[_WATCHED:]
         positive = [s for s in stds if s > 0]
         ratio = max(positive) / min(positive) if positive else math.nan
-        return lo, hi, mean, std, zero, sum(1 for s in stds if s == 0), ratio
+        return lo, hi, mean, std, zero, nonfinite, sum(1 for s in stds if s == 0), ratio
 
 
 def _nan_or(fn, xs: list[float]) -> float:

@@ -52,7 +52,7 @@ class Recorder:
         rec = Recorder(model, "runs/exp1")
         for step in range(n_steps):
             ...forward, loss, optimizer.zero_grad(), loss.backward(), optimizer.step()...
-            rec.step(loss=loss)      # after optimizer.step(), before the next zero_grad()
+            rec.step(loss=loss)      # after optimizer.step()
         rec.close()
 
     Options (keyword arguments) are the fields of :class:`RecorderConfig`. The recorder never

@@ -98,14 +98,15 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("train_mode", "i1"),
             Column("nograd_train_forwards", "i4"),
             # The batch as the model received it (its first floating-point input, input_stats.py):
-            # min, max, mean, std every step (NaN: none); on watched steps the share of exact
-            # zeros, the features (columns of a 2-D batch) constant over the batch, and the
+            # min, max, mean, std every step (NaN: none); on watched steps the shares of exact
+            # zeros and of NaN/Inf, the features (columns of a 2-D batch) constant over the batch, and the
             # largest feature std over the smallest non-zero one (NaN/-1: not measured).
             Column("input_min", "f4"),
             Column("input_max", "f4"),
             Column("input_mean", "f4"),
             Column("input_std", "f4"),
             Column("input_zero_share", "f4"),
+            Column("input_nonfinite_share", "f4"),
             Column("input_constant_features", "i4"),
             Column("input_std_ratio", "f4"),
         ],

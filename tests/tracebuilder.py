@@ -44,7 +44,7 @@ LAYOUT: dict[str, list[tuple]] = {
               ("gc_gen2", "i4"), ("lr", "f8"), ("loss_scale", "f4"), ("optimizer_steps", "i4"),
               ("local_grad_norm", "f4"), ("grads_kept", "i1"),
               ("train_mode", "i1"), ("nograd_train_forwards", "i4"), ("input_min", "f4"), ("input_max", "f4"),
-              ("input_mean", "f4"), ("input_std", "f4"), ("input_zero_share", "f4"),
+              ("input_mean", "f4"), ("input_std", "f4"), ("input_zero_share", "f4"), ("input_nonfinite_share", "f4"),
               ("input_constant_features", "i4"), ("input_std_ratio", "f4")],
     "params": [("grad_norm", "f4", P), ("grad_absmax", "f4", P), ("grad_nonfinite", "i4", P),
                ("param_norm", "f4", P)],

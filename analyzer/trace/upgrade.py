@@ -29,7 +29,7 @@ ADDED = {
     "steps/nograd_train_forwards": -1,
     # The batch's statistics: not measured.
     **dict.fromkeys(("steps/input_min", "steps/input_max", "steps/input_mean", "steps/input_std",
-                     "steps/input_zero_share", "steps/input_std_ratio"), np.nan),
+                     "steps/input_zero_share", "steps/input_nonfinite_share", "steps/input_std_ratio"), np.nan),
     "steps/input_constant_features": -1,  # whether the optimizer step used the previous step's gradient tensors
     "params/shards": 1,  # FSDP2: before it, every parameter was whole on its rank
     "census_groups/grad_fn": b"",  # the op that made a census group's tensors: unknown

@@ -2,8 +2,10 @@
 says: a change to what or how often the recorder samples must not cost a detection.
 
 sample_traces/ ships traces recorded by an earlier recorder; this test makes every case afresh
-(sample_traces/make_samples.py, seeded, ~30 s on two cores) and scores the analyzer on them
-(sample_traces/score_analyzer.py), both as a user runs them."""
+(sample_traces/make_samples.py, seeded, ~40 s on two cores) and scores the analyzer on them
+(sample_traces/score_analyzer.py), both as a user runs them. Not the two DDP jobs (4 ranks under
+torchrun, one ended by gloo's timeout: 30 s of the suite's 10 minutes): the same failures are
+recorded under torchrun and found by tests/integrations/test_torchrun_ranks.py."""
 
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FOUND = ("ok", "hit", "hit (step within resolution)")
+sys.path.insert(0, os.path.join(ROOT, "sample_traces"))
+from make_samples import CASES  # noqa: E402
+
+SINGLE_PROCESS = [c for c in CASES if not c.startswith("ddp_")]
 
 
 def test_every_sample_case_recorded_now_is_found(tmp_path):
     out = tmp_path / "samples"
     made = subprocess.run([sys.executable, os.path.join(ROOT, "sample_traces", "make_samples.py"),
-                           "--out", str(out), "--jobs", "2"], capture_output=True, text=True, timeout=900)
+                           "--out", str(out), "--jobs", "2", *SINGLE_PROCESS], capture_output=True, text=True,
+                          timeout=900)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     scores = tmp_path / "scores.json"
     scored = subprocess.run([sys.executable, os.path.join(ROOT, "sample_traces", "score_analyzer.py"),
@@ -27,6 +34,6 @@ def test_every_sample_case_recorded_now_is_found(tmp_path):
                             timeout=600)
     assert scored.returncode == 0, scored.stderr[-3000:]
     rows = json.loads(scores.read_text())
-    assert len(rows) == 22, [r["case"] for r in rows]
+    assert len(rows) == len(SINGLE_PROCESS) == 20, [r["case"] for r in rows]
     missed = [(r["case"], r["verdict"]) for r in rows if r["verdict"] not in FOUND]
     assert not missed, scored.stdout
