@@ -188,5 +188,7 @@ def add_grad_absmax(pk: Packer, grads: list, fused: bool | None) -> None:
     if fused_here(fused, grads[0]):
         pk.add("grad_absmax", torch._foreach_norm(grads, math.inf))
         return
-    mm = [torch.aminmax(g) for g in grads]
+    # (an empty tensor -- an FSDP2 shard of a parameter smaller than the ranks -- has no extrema:
+    # its max |g| is 0)
+    mm = [torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(())) for g in grads]
     pk.add("grad_absmax", max_and_absmax([m[0] for m in mm], [m[1] for m in mm])[1])

@@ -12,6 +12,12 @@ The hook is registered at the end of the first recorded step: DDP takes one hook
 registers before its first backward, so by then a job's own hook is there (and this one stays
 off) and a job never finds the slot taken by ours. The first step has no local norm. A DDP hook
 cannot be removed: after close() it only runs the all-reduce.
+
+FSDP2 has no such hook, but each parameter group's reduce-scatter is an object it calls
+(``FSDPModule.set_custom_reduce_scatter``'s slot): at the same moment it is wrapped in one that
+takes the norm of the flat gradients it is given (this rank's unsharded gradients, divided by
+FSDP's pre-divide factor where FSDP divides first: the same factor on every rank) and then calls
+the one it wraps, the job's own included.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 
 import torch
 
-OFF_REASONS = ("no DDP module", "the job's own DDP communication hook", "DDP join with "
+OFF_REASONS = ("no DDP or FSDP2 module", "the job's own DDP communication hook", "DDP join with "
                "divide_by_initial_world_size=False", "registration failed")
 
 
@@ -34,16 +40,74 @@ def find_ddp(model):
         if model is not None else None
 
 
+def fsdp_param_groups(model) -> list:
+    """The FSDP2 parameter groups of the model's fully_shard'ed modules (empty if none)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    groups = []
+    for m in model.modules() if model is not None else ():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups.extend(getattr(state, "_fsdp_param_groups", None) or [])
+    return groups
+
+
+class _MeasuredReduceScatter:
+    """FSDP2's reduce-scatter, with the norm of its input taken first."""
+
+    def __init__(self, inner, owner: "LocalGradients"):
+        self._inner, self._owner = inner, owner
+
+    def allocate(self, *args, **kwargs):
+        return self._inner.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self._owner.measure(input_tensor)
+        return self._inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                           async_op=async_op)
+
+    def __getattr__(self, name):  # (anything else FSDP asks of its comm)
+        return getattr(self._inner, name)
+
+
 class LocalGradients:
     def __init__(self, model):
         self.ddp = find_ddp(model)
+        self._model = model if self.ddp is None and fsdp_param_groups(model) else None
         self.pending: list[torch.Tensor] = []  # this step's bucket norms (0-d, on the device)
         self.on = False
-        self.status = "waiting" if self.ddp is not None else OFF_REASONS[0]  # (the trace's local_grad_norms)
+        waiting = self.ddp is not None or self._model is not None
+        self.status = "waiting" if waiting else OFF_REASONS[0]  # (the trace's local_grad_norms)
+
+    @property
+    def due(self) -> bool:
+        """Whether attach() has something to do (called at the end of each step until it ran)."""
+        return self.ddp is not None or self._model is not None
+
+    def measure(self, grads) -> None:
+        if self.on:
+            try:
+                self.pending.append(torch.linalg.vector_norm(grads, dtype=torch.float32))
+            except Exception:
+                self.on, self.status = False, "stopped: the norm failed"
 
     def attach(self) -> None:
-        """Register the hook, unless the job has a hook of its own (or DDP would divide otherwise)."""
+        """Register the hook, unless the job has a hook of its own (or DDP would divide otherwise);
+        under FSDP2 wrap each parameter group's reduce-scatter."""
         ddp, self.ddp = self.ddp, None  # (tried once)
+        model, self._model = self._model, None
+        if model is not None:
+            try:
+                for g in fsdp_param_groups(model):
+                    if not isinstance(g._reduce_scatter_comm, _MeasuredReduceScatter):
+                        g._reduce_scatter_comm = _MeasuredReduceScatter(g._reduce_scatter_comm, self)
+            except Exception as e:  # (an FSDP2 of another torch: no local norms, training untouched)
+                self.status = f"{OFF_REASONS[3]}: {type(e).__name__}"
+                return
+            self.on, self.status = True, "recorded"
+            return
         if ddp is None:
             return
         try:
@@ -62,11 +126,7 @@ class LocalGradients:
         self.on, self.status = True, "recorded"
 
     def _hook(self, process_group, bucket):
-        if self.on:
-            try:  # before allreduce_hook divides the bucket in place (the same stream: ordered)
-                self.pending.append(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32))
-            except Exception:
-                self.on, self.status = False, "stopped: the bucket norm failed"
+        self.measure(bucket.buffer())  # (before allreduce_hook divides it in place: the same stream, ordered)
         return self._allreduce(process_group, bucket)
 
     def stop(self) -> None:

@@ -127,6 +127,7 @@ class Recorder:
         os.makedirs(self.run_dir, exist_ok=True)
         self.watcher = ModuleWatcher(self.model, self._fail)
         self.watcher.meas.fused_option = self.config.fused_reductions
+        self.watcher.inputs.fused_option = self.config.fused_reductions
         n_params, n_modules = len(self._params), len(self.watcher.names)
         cfg = self.config
         self._hist_params, hist_modules = histogram_tensors(n_params, self.watcher.is_leaf, cfg.histogram_max_tensors) \
@@ -265,7 +266,7 @@ class Recorder:
             self._in_step_since = None
             self.norms.entries = []
             self.norms.kept = -1
-            if self.local_grads.ddp is not None and self._active:  # (after the job's first backward: local_grads.py)
+            if self.local_grads.due and self._active:  # (after the job's first backward: local_grads.py)
                 self.local_grads.attach()
         if self._active:
             w = self.watcher

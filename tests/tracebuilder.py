@@ -369,7 +369,7 @@ class TraceBuilder:
             "closed": True, "end_reason": "closed",
             "end_unix": float(np.nanmax(self.cols["steps/time_s"], initial=start)),
             "n_steps_recorded": len(self.steps), "attempt": 1, "previous_file": "", "dropped_steps": 0,
-            "local_grad_norms": "no DDP module", **self.meta,
+            "local_grad_norms": "no DDP or FSDP2 module", **self.meta,
         }
 
     def write(self, run_dir, rank: int | None = None, attempt: int = 1) -> str:

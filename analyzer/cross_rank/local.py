@@ -35,13 +35,13 @@ def local_first(ranks: list[int], step: int, digests: dict) -> tuple[int, str] |
     if measured == ranks and 0 < len(bad) < len(ranks):
         first = min(bad)  # (several: the lowest; the finding lists them all)
         others = [r for r in ranks if r not in bad]
-        return first, (f"every rank showed it at step {step:,}; before the gradient all-reduce rank {first}'s own "
-                       f"gradients held {_what(grads[first])}" +
+        return first, (f"every rank showed it at step {step:,}; before the ranks' gradients were reduced together "
+                       f"(all-reduce, reduce-scatter), rank {first}'s own gradients held {_what(grads[first])}" +
                        (f" (so did rank{'s' if len(bad) > 2 else ''} {', '.join(map(str, bad[1:]))})"
                         if len(bad) > 1 else "") +
                        f", rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}' were finite: "
                        f"its own backward went wrong first")
-    for name, what in (("loss", "loss"), ("local_grad", "gradient norm before the all-reduce")):
+    for name, what in (("loss", "loss"), ("local_grad", "gradient norm before the ranks' reduction")):
         if name == "local_grad" and not (measured == ranks and not bad):
             break
         best = _off_usual({r: (getattr(d, name), i) for r, (d, i) in at.items()})

@@ -30,7 +30,7 @@ SLOW, SLOW_S = 8, 0.15
 DIVERGE, PERTURBED = 6, "module.2.weight"
 HANG, TIMEOUT_S = 5, 8
 BAD = 6
-STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10, "backward_nan": 10}
+STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10, "backward_nan": 10, "backward_nan_fsdp": 10}
 
 
 def _line(marker: str) -> int:
@@ -119,15 +119,18 @@ def read_run(job: Job, nproc: int) -> list[dict]:
     return ranks
 
 
-def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_all_reduce():
-    job = torchrun("backward_nan", 3)
-    ranks = _finished(job, 3, STEPS["backward_nan"])
+@pytest.mark.parametrize("scenario", ["backward_nan", "backward_nan_fsdp"])
+def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_collective(scenario):
+    """DDP: the bucket norms of a communication hook; FSDP2: the input of each parameter group's
+    reduce-scatter. Either way rank 2's own gradients are NaN, the others' finite."""
+    job = torchrun(scenario, 3)
+    ranks = _finished(job, 3, STEPS[scenario])
     for r in ranks:
         assert np.isfinite(r["steps"]["loss"][:BAD + 1]).all(), r["steps"]["loss"]  # the forward never saw it
         assert r["attrs"]["local_grad_norms"] == "recorded"
     local = [r["steps"]["local_grad_norm"] for r in ranks]
     # Step 0 runs before the hook is registered; then every rank's own norm, until the bad step,
-    # where only rank 2's is NaN (its replicas' NaN only after the all-reduce).
+    # where only rank 2's is NaN (its replicas' NaN only after the collective).
     for k in range(3):
         assert np.isnan(local[k][0]) and np.isfinite(local[k][1:BAD]).all() and (local[k][1:BAD] > 0).all()
     assert not np.allclose(local[0][1:BAD], local[1][1:BAD])  # (each rank's own batch: not the average)
@@ -137,7 +140,7 @@ def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_al
     bad = [f for f in found if f["kind"] == "nonfinite"]
     assert (bad[0]["rank"], bad[0]["step"]) == (2, BAD), bad
     assert bad[0]["evidence"]["ranks"] == [0, 1, 2], bad[0]
-    assert "before the gradient all-reduce rank 2" in bad[0]["evidence"]["local_first"], bad[0]
+    assert "rank 2's own gradients held NaN" in bad[0]["evidence"]["local_first"], bad[0]
     assert "rank 2 went wrong first" in stdout, stdout
 
 

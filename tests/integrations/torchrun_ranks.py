@@ -16,6 +16,9 @@ a real DataLoader (num_workers=0) over a synthetic dataset split by a Distribute
 - backward_nan (3 ranks): at step BAD, rank 2's loss gains a distance to an anchor taken at the
   weights themselves: sqrt(0) is 0 in the forward (every loss stays finite) and 0/0 in the
   backward. Only rank 2's own gradients are NaN; after the all-reduce every rank's are.
+- backward_nan_fsdp (3 ranks): the same under FSDP2 (each Linear and the model fully_shard'ed),
+  the distance taken from the model's output to itself detached; after the reduce-scatter every
+  rank's shard is NaN.
 
 Each rank that finishes writes out.rank{N} (JSON: its losses and parameter names)."""
 
@@ -35,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchautopsy import Recorder
 
 BATCH = 16
-STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10, "backward_nan": 10}
+STEPS = {"straggler": 20, "divergence": 12, "hang": 10, "nan": 10, "backward_nan": 10, "backward_nan_fsdp": 10}
 SLOW, SLOW_S = 8, 0.15  # straggler: rank 2, from this step on, this much longer in its loader
 DIVERGE, PERTURBED = 6, "module.2.weight"  # divergence: rank 1, after this step's optimizer step
 HANG, TIMEOUT_S = 5, 8  # hang: rank 1 stops before this step's forward; the collectives' timeout
@@ -87,7 +90,17 @@ data = Synthetic(world * steps * BATCH)
 loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False),
                     collate_fn=Collate(), num_workers=0)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-ddp = DistributedDataParallel(model)
+if scenario.endswith("_fsdp"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    ddp = fully_shard(model, mesh=mesh)
+else:
+    ddp = DistributedDataParallel(model)
 opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
 # nan: activations_every=5, the NaN's step (6) is not watched, steps 0 and 5 are (as torchrun_train.py).
 # The others keep the default (steps 0 and 10 watched: a watched step's forward is slower).
@@ -97,7 +110,10 @@ losses = []
 for step, (x, y) in enumerate(loader):
     if scenario == "hang" and rank == 1 and step == HANG:
         time.sleep(3600)  # HANG
-    loss = F.cross_entropy(ddp(x), y)
+    logits = ddp(x)
+    loss = F.cross_entropy(logits, y)
+    if scenario == "backward_nan_fsdp" and rank == 2 and step == BAD:
+        loss = loss + 1e-3 * torch.sqrt(((logits - logits.detach()) ** 2).sum())  # BACKWARD_NAN_FSDP
     if scenario == "backward_nan" and rank == 2 and step == BAD:
         w = model[0].weight
         loss = loss + 1e-3 * torch.sqrt(((w - w.detach()) ** 2).sum())  # BACKWARD_NAN
