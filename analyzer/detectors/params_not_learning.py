@@ -87,11 +87,10 @@ def detect(rt: RankTrace, cfg: ParamsNotLearningConfig) -> list[Finding]:
     n = len(rt.param_names)
     if n_opt < cfg.min_steps or n == 0:
         return []
-    with_grad, zero = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    for a, block in rt.blocks("params/grad_norm"):
-        b = block[stepped[a:a + len(block)]]
-        with_grad += (~np.isnan(b)).sum(axis=0)
-        zero += (b == 0).sum(axis=0)
+    d = rt.digest  # (its one pass over the parameter tables counts each one's gradients)
+    with_grad, zero = np.asarray(d.grad_steps), np.asarray(d.grad_zero_steps)
+    if len(with_grad) != n:
+        return []
     members = rt.optimizer_params
     in_opt = np.zeros(n, bool)
     frozen_then = np.zeros(n, bool)
@@ -103,15 +102,15 @@ def detect(rt: RankTrace, cfg: ParamsNotLearningConfig) -> list[Finding]:
     never = with_grad == 0
     groups: dict[str, np.ndarray] = {}
     if len(members):
-        moved = _norm_moved(rt, n)
+        moved = np.asarray(d.norm_max) > np.asarray(d.norm_min)
         groups["not_in_optimizer"] = requires & ~in_opt & (with_grad > 0) & ~moved
         lost = requires & in_opt & never
-        ran = _modules_ran(rt)
+        ran = _modules_ran(rt) if lost.any() else {}  # (a pass over the module table, only then)
         index = {name: i for i, name in enumerate(rt.module_names)}
         ran_p = [ran.get(index.get(name.rpartition(".")[0])) for name in rt.param_names]  # (None: not known)
         groups["unused"] = lost & np.array([r is False for r in ran_p])
         groups["detached"] = lost & np.array([r is True for r in ran_p])
-    groups["zero_gradient"] = (with_grad == n_opt) & (zero == n_opt)
+    groups["zero_gradient"] = (with_grad >= n_opt) & (zero == with_grad)
     first = int(rt.step_index[np.flatnonzero(stepped)[0]])  # the first step they could have learned at
     findings = [_finding(rt, cause, np.flatnonzero(mask), n_opt, with_grad, first)
                 for cause, mask in groups.items() if mask.any()]
@@ -165,16 +164,6 @@ def _count(names: list[str]) -> str:
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4:,} more" if len(names) > 4 else "")
-
-
-def _norm_moved(rt, n: int) -> np.ndarray:
-    """Per parameter: whether its weight norm differed between two steps that measured it."""
-    lo, hi = np.full(n, np.inf), np.full(n, -np.inf)
-    for _, block in rt.blocks("params/param_norm"):
-        measured = block >= 0  # (-1: not measured; NaN fails too)
-        lo = np.minimum(lo, np.where(measured, block, np.inf).min(axis=0))
-        hi = np.maximum(hi, np.where(measured, block, -np.inf).max(axis=0))
-    return hi > lo
 
 
 def _modules_ran(rt) -> dict[int, bool]:

@@ -237,7 +237,7 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
     @cached_property
     def digest(self) -> StepDigest:
         """Per-step series over all parameters, from one streaming pass (see StepDigest)."""
-        d = StepDigest(self.n_steps)
+        d = StepDigest(self.n_steps, len(self.param_names))
         if not self.param_names:
             return d
         bad_blocks = self.blocks("params/grad_nonfinite")
@@ -255,6 +255,11 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
             d.total_grad_norm[b] = tot
             d.grad_nonfinite[b] = counted.any(axis=1)
             d.param_nonfinite[b] = ~np.isfinite(w).all(axis=1)
+            d.grad_steps += present.sum(axis=0)
+            d.grad_zero_steps += (present & (g == 0)).sum(axis=0)
+            measured = w >= 0  # (-1: not measured; NaN fails too)
+            d.norm_min = np.minimum(d.norm_min, np.where(measured, w, np.inf).min(axis=0))
+            d.norm_max = np.maximum(d.norm_max, np.where(measured, w, -np.inf).max(axis=0))
         # A step AMP's GradScaler skipped: its NaN/Inf gradients are the overflow of the scaled
         # fp16 backward, never applied; the scaler's job, not a failure (loss_scale detector).
         skipped = self.amp_skipped

@@ -40,13 +40,23 @@ class StepDigest:
     grad_nonfinite     some gradient held NaN/Inf (counts, not norms: an Inf norm may be overflow)
     grad_absent        no parameter had a gradient (every norm NaN, none counted non-finite)
     param_nonfinite    some weight norm was NaN/Inf (the weights themselves went non-finite)
+
+    and per parameter, over the same pass (detectors/params_not_learning.py):
+
+    grad_steps         steps on which it had a gradient
+    grad_zero_steps    ... exactly 0
+    norm_min, norm_max its smallest and largest measured weight norm (inf/-inf: never measured)
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, n_params: int = 0):
         self.total_grad_norm = np.full(n, np.nan)
         self.grad_nonfinite = np.zeros(n, dtype=bool)
         self.grad_absent = np.ones(n, dtype=bool)
         self.param_nonfinite = np.zeros(n, dtype=bool)
+        self.grad_steps = np.zeros(n_params, dtype=np.int64)
+        self.grad_zero_steps = np.zeros(n_params, dtype=np.int64)
+        self.norm_min = np.full(n_params, np.inf)
+        self.norm_max = np.full(n_params, -np.inf)
 
 
 def _gather(ds, idx: np.ndarray) -> np.ndarray:
