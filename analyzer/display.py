@@ -68,3 +68,10 @@ def _cut_text(text: str, width: int) -> str:
     left = " " if text[len(head)].isspace() else ""  # head and tail are still a prefix and a suffix
     right = " " if text[len(text) - len(tail) - 1].isspace() else ""
     return f"{head}{left}{ELLIPSIS}{right}{tail}"
+
+
+def listed(names, shown: int) -> str:
+    """The first ``shown`` names, comma-separated ("" as "(model)"), and how many more there are."""
+    names = list(names)
+    text = ", ".join(n or "(model)" for n in names[:shown])
+    return text + (f" and {len(names) - shown:,} more" if len(names) > shown else "")

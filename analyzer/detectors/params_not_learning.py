@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..display import listed
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 from ._thresholds import check_bounds as _check
@@ -132,7 +133,7 @@ def _finding(rt, cause: str, idx: np.ndarray, n_opt: int, with_grad: np.ndarray,
         ev["weight_norm_moved"] = False
     if cause in ("unused", "detached"):
         ev["module_ran"] = cause == "detached"
-    summary = f"{_count(names)} {what} ({n_opt:,} optimizer steps): {_listed(names)}."
+    summary = f"{_count(names)} {what} ({n_opt:,} optimizer steps): {listed(names, 4)}."
     return Finding(KIND, SEVERITY[cause], first, names[:8], summary, ev, ADVICE[cause])
 
 
@@ -149,7 +150,7 @@ def _frozen(rt, frozen: np.ndarray, trained: np.ndarray, n_opt: int, first: int)
     else:
         severity, why = "info", "a frozen backbone before the trained parameters"
     summary = (f"{_count(names)} handed to the optimizer with requires_grad=False never change ({why}): "
-               f"{_listed(names)}.")
+               f"{listed(names, 4)}.")
     return Finding(KIND, severity, first, names[:8], summary, ev, ADVICE["frozen_in_optimizer"])
 
 
@@ -161,9 +162,6 @@ def _common(rt, cause: str, idx: np.ndarray, n_opt: int) -> dict:
 def _count(names: list[str]) -> str:
     return "1 parameter" if len(names) == 1 else f"{len(names):,} parameters"
 
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4:,} more" if len(names) > 4 else "")
 
 
 def _modules_ran(rt) -> dict[int, bool]:

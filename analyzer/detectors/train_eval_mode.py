@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..display import listed
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 from ._thresholds import check_bounds as _check
@@ -96,7 +97,7 @@ def detect(rt: RankTrace, cfg: TrainEvalModeConfig) -> list[Finding]:
         when = (f"from step {int(steps[start]):,} (after {before:,} steps in train mode: an evaluation's "
                 "model.eval() was never undone)" if after_eval else "from the start")
         summary = (f"{int(in_eval.sum()):,} optimizer steps trained with the model in eval mode, {when}: "
-                   f"{_listed(modes)} ran as in evaluation (no dropout, BatchNorm's running statistics used "
+                   f"{listed(modes, 3)} ran as in evaluation (no dropout, BatchNorm's running statistics used "
                    "and never updated).")
         findings.append(Finding(KIND, "warning", int(steps[start]), modes[:8], summary, ev,
                                 ADVICE["trained_in_eval"]))
@@ -107,7 +108,7 @@ def detect(rt: RankTrace, cfg: TrainEvalModeConfig) -> list[Finding]:
         ev = {"cause": "evaluated_in_train", **base, "nograd_train_forwards": int(counted.sum()),
               "first_nograd_step": int(steps[first])}
         summary = (f"{int(counted.sum()):,} forward passes without gradients (an evaluation under torch.no_grad()) "
-                   f"ran with the model in train mode, from step {int(steps[first]):,}: {_listed(modes)} "
+                   f"ran with the model in train mode, from step {int(steps[first]):,}: {listed(modes, 3)} "
                    "dropped units and updated their running statistics during it.")
         findings.append(Finding(KIND, "warning", int(steps[first]), modes[:8], summary, ev,
                                 ADVICE["evaluated_in_train"]))
@@ -125,8 +126,3 @@ def _longest_run(mask: np.ndarray) -> tuple[int, int]:
                 best = (start, i)
             start = None
     return best
-
-
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(n or "(model)" for n in names[:3])
-    return shown + (f" and {len(names) - 3:,} more" if len(names) > 3 else "")
