@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .functional import compiling
+from .functional import eager
 from .profiler import own_work
 from .replay import replay_step
 from .tensors import blob_task, host_copy, state_tensors
@@ -58,6 +58,8 @@ class BlackBox:
         self.on_error = on_error
         self.armed = True
         self.inputs: list[tuple[tuple, dict]] = []
+        self.step_calls: list[tuple[str, tuple]] = []  # (keep_step_call)
+        self.shared: dict = {}
         self.rng: dict | None = None
         # Reading the RNG states costs ~20 us at a step's first forward, cold (two tensors made;
         # measured on benchmarks/' MLP), and a step that draws no random numbers (no dropout,
@@ -81,7 +83,8 @@ class BlackBox:
         self._buffer_sources: list[torch.Tensor] = []
         # model.to(device) keeps the Parameter objects: the first one tells the model's device
         self._first_param = next(iter(model.parameters()), None)
-        self._handle = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        # (run eagerly under torch.compile: the inputs, RNG states and buffers kept as without it)
+        self._handle = model.register_forward_pre_hook(eager(self._pre_forward), with_kwargs=True)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -90,15 +93,6 @@ class BlackBox:
     def _pre_forward(self, module, args, kwargs):
         if not self.armed or not torch.is_grad_enabled():
             return None
-        if compiling():
-            # Traced by Dynamo (a frame of its own, or inlined into the compiled forward): keep
-            # the input by a list append Dynamo replays after the graph, with no tensor op (a
-            # detach would make a graph of its own), and read no RNG state nor copy buffers
-            # (graph breaks: errors under fullgraph=True). A replay then starts from the RNG as
-            # it is at the end of the step.
-            if not self.inputs and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-                self.inputs.append(((args[0],), {}))
-            return None
         try:  # never raise into the model's forward
             with own_work():
                 self._observe(args, kwargs)
@@ -106,14 +100,32 @@ class BlackBox:
             self.on_error(e)
         return None
 
+    def keep_step_call(self, method: str, args: tuple, shared: dict | None = None) -> None:
+        """A framework's own entry into the step and its arguments, kept by reference for the
+        replay and the box: Lightning's ``training_step(batch, batch_idx)``, which may call a
+        child of the module rather than its forward. ``shared``: objects the replay's copy must
+        not copy (id -> what the copy holds instead; the Trainer -> None)."""
+        if not self.armed:
+            return
+        with own_work():
+            if not self.inputs and not self.step_calls:
+                self._start_of_step()
+            if len(self.step_calls) < self.MAX_CALLS:
+                self.step_calls.append((method, tuple(args)))
+            self.shared = dict(shared or {})
+
+    def _start_of_step(self) -> None:
+        """What the step's first call starts from: the RNG states and the buffers."""
+        if self.take_rng:
+            self.rng = _rng_states(self._first_param)
+        else:
+            self._rng_skipped = True
+        if self._buffer_slots != []:  # (None until found, at the first step)
+            self._copy_buffers()
+
     def _observe(self, args, kwargs) -> None:
-        if not self.inputs:
-            if self.take_rng:
-                self.rng = _rng_states(self._first_param)
-            else:
-                self._rng_skipped = True
-            if self._buffer_slots != []:  # (None until found, at the first step)
-                self._copy_buffers()
+        if not self.inputs and not self.step_calls:
+            self._start_of_step()
         if len(self.inputs) < self.MAX_CALLS:
             # Detached (shallowly): an input that carries an autograd graph (a GAN's generated
             # batch) must not keep that graph alive through us.
@@ -169,11 +181,13 @@ class BlackBox:
     def replay(self) -> dict:
         """This step's forward passes run again on a copy of the model, every module checked
         (replay.py): where its NaN/Inf was born."""
-        return replay_step(self.model, self.inputs, self.rng,
-                           self._buffers if self._buffers_at_start else [], self._buffer_copies)
+        calls = [(m, a, {}) for m, a in self.step_calls] or [("", a, k) for a, k in self.inputs]
+        return replay_step(self.model, calls, self.rng,
+                           self._buffers if self._buffers_at_start else [], self._buffer_copies, self.shared)
 
     def new_step(self) -> None:
         self.inputs = []
+        self.step_calls = []
         self.rng = None
         self._rng_skipped = False
         self._buffers_at_start = False
@@ -195,10 +209,13 @@ class BlackBox:
                 items.append((key, role, c))
         scalars: dict[str, str] = {}
         n_calls = len(self.inputs)
-        for call, (args, kwargs) in enumerate(self.inputs):
+        calls = [(f"forward{i}", args, kwargs) for i, (args, kwargs) in enumerate(self.inputs)]
+        calls += [(f"{method}{i}", args, {}) for i, (method, args) in enumerate(self.step_calls)]
+        for call, args, kwargs in calls:
             found: list = []
-            _flatten(tuple(args), f"forward{call}.args", found, scalars)
-            _flatten(dict(kwargs), f"forward{call}.kwargs", found, scalars)
+            _flatten(tuple(args), f"{call}.args", found, scalars)
+            if kwargs:
+                _flatten(dict(kwargs), f"{call}.kwargs", found, scalars)
             for name, t in found:
                 c = host_copy(t)
                 if c is not None:
@@ -228,6 +245,7 @@ class BlackBox:
                     elif isinstance(v, (int, float, bool)):
                         scalars[f"optimizer.{name}.{k}"] = json.dumps(v)
         detail = {"trigger_detail": extra or {}, "affected": list(bad)[:1000], "forward_calls": n_calls,
+                  "step_calls": [m for m, _ in self.step_calls],
                   "values": scalars, **opt_info,
                   # when rng.torch (and rng.cuda) were read: at the step's first forward, or here,
                   # for a step that drew no random numbers up to here as far as the watched steps

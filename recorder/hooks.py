@@ -14,14 +14,16 @@ that module's result, so in the common case (a chain of modules) inputs cost not
 checks and statistics are reduced, per tensor at once (CPU) or a few foreach ops for all modules
 at the end of the forward (GPU), is watch_batch.py's Measurements.
 
-Under ``torch.compile`` every hook returns at once while Dynamo traces it (``compiling()`` is a
-constant there, see functional.py): a compiled forward runs the graph it would run without the
-recorder and no hook runs in it, so its modules are not measured (-1, as on unwatched steps), nor
-its time split. Dynamo still guards on how many hooks a module has, and would compile the model
-again when hooks come or go; so once the root's forward has run compiled, the per-module hooks stay
-as they are (watch) and the model is compiled once, as without the recorder (measured:
-benchmarks/compile_cost.py). A submodule compiled on its own is not noticed: it is compiled twice
-(with and without the hooks), and Dynamo keeps both.
+Under ``torch.compile`` the hooks of the modules inside the compiled forward return at once
+while Dynamo traces them (``compiling()`` is a constant there, see functional.py): the compiled
+forward runs the graph it would run without the recorder, so its inner modules are not measured
+(-1, as on unwatched steps). The root's hooks run eagerly (functional.eager), outside the graph:
+the batch's statistics, the forward's time, the root's own finite check (a NaN the compiled
+forward made is seen leaving it) and the black box's inputs are as without compile. Dynamo
+still guards on how many hooks an inner module has, and would compile the model again when
+hooks come or go; so once a module's hook has been traced, the per-module hooks stay as they are
+(watch) and the model is compiled once, as without the recorder (counted in
+tests/recorder/test_compile.py). A submodule compiled on its own is noticed the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .functional import compiling
+from .functional import compiling, eager
 from .histograms import histogram
 from .input_stats import InputStats
 from .loss_graph import mark_outputs
@@ -70,8 +72,8 @@ class ModuleWatcher:
         self.check_no_grad = False
         # The step's timing needs only the root module, hooked on every step.
         self.inputs = InputStats()  # the batch's statistics, every training forward (input_stats.py)
-        self._timing_handles = [self.modules[0].register_forward_pre_hook(self._timing_pre_hook, with_kwargs=True),
-                                self.modules[0].register_forward_hook(self._timing_hook)]
+        self._timing_handles = [self.modules[0].register_forward_pre_hook(eager(self._timing_pre_hook), with_kwargs=True),
+                                self.modules[0].register_forward_hook(eager(self._timing_hook))]
         self.sample_activations = False
         # Histograms of these modules' outputs (module index -> row) on histogram steps, and
         # whole outputs of a few modules (module index -> name) handed to `samples` on sample steps.
@@ -124,19 +126,17 @@ class ModuleWatcher:
             for i, m in enumerate(self.modules):
                 # First of the module's pre-hooks (registered long after the others): they see
                 # this module as the one running (the attention capture's, for one).
-                self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(i), prepend=True))
-                self._handles.append(m.register_forward_hook(self._make_hook(i)))
+                pre, post = self._make_pre_hook(i), self._make_hook(i)
+                if i == 0:  # the root's run eagerly under torch.compile (functional.eager)
+                    pre, post = eager(pre), eager(post)
+                self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+                self._handles.append(m.register_forward_hook(post))
         elif not on and self._handles:
             for h in self._handles:
                 h.remove()
             self._handles = []
 
     def _timing_pre_hook(self, module, args, kwargs):
-        if compiling():
-            # Not run here but replayed by the compiled code after each call (Dynamo keeps a
-            # traced attribute store as a side effect): the forward ran compiled.
-            self.compiled = True
-            return None
         if self.t_forward_start is None:
             self.t_forward_start = time.perf_counter()
         if torch.is_grad_enabled():  # a training forward: its batch's statistics
@@ -148,8 +148,6 @@ class ModuleWatcher:
         return None
 
     def _timing_hook(self, module, args, output):
-        if compiling():
-            return
         self.t_forward_end = time.perf_counter()
         grad = torch.is_grad_enabled()
         if grad:
@@ -201,7 +199,12 @@ class ModuleWatcher:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
-            if compiling() or not self.watching:
+            if compiling():
+                # Not run here but replayed by the compiled code after each call (Dynamo keeps a
+                # traced attribute store as a side effect): the forward ran compiled.
+                self.compiled = True
+                return
+            if not self.watching:
                 return
             # Inputs are checked before the forward runs: a module that writes NaN into its
             # input in place (x.mul_(nan)) must be seen receiving finite inputs.
@@ -280,7 +283,9 @@ class ModuleWatcher:
             self._sampled.add(index)  # the first call of the step
             self.samples.on_output(self.sample_modules[index], outs[0])
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, grad: torch.Tensor | None) -> None:
+        if grad is None:  # an output the loss did not use (a compiled graph's backward gives None)
+            return
         try:
             with own_work():
                 self._out_grads.append((~torch.isfinite(grad.detach())).any().to(torch.float32))

@@ -46,6 +46,15 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The model a ``torch.compile(model)`` wraps (its OptimizedModule's ``_orig_mod``: the same
+    parameters, named as the user's model names them): ``Recorder(torch.compile(model))``
+    records what ``Recorder(model)`` then ``torch.compile(model)`` does, the same names and hooks."""
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
+
+
 class Recorder:
     """Records a training run into ``run_dir/rank{N}.h5``.
 
@@ -66,7 +75,7 @@ class Recorder:
         # A GradScaler is an object, not an option: given here, or found at the first step.
         scaler = options.pop("scaler", None)
         self.config = RecorderConfig.from_kwargs(**options)
-        self.model = model
+        self.model = model = _uncompiled(model)
         self.schedule = OptimizerSchedule({}, scaler)
         self._sched = (math.nan, math.nan, -1, None)  # this step's (lr, loss scale, optimizer steps, rows)
         self.run_dir = os.fspath(run_dir)
@@ -185,6 +194,17 @@ class Recorder:
         self.before_optimizer_step(optimizer)
         return None
 
+    def keep_step_call(self, method: str, args: tuple, shared: dict | None = None) -> None:
+        """For a framework's callback: the step's own entry into the model (Lightning's
+        ``training_step`` and its batch), which the black box keeps and a replay runs
+        (blackbox.BlackBox.keep_step_call)."""
+        if not self._active or self.captures is None or self.captures.blackbox is None:
+            return
+        try:
+            self.captures.blackbox.keep_step_call(method, args, shared)
+        except Exception as e:  # never into the training
+            self._fail(e)
+
     def before_optimizer_step(self, optimizer) -> None:
         """Call after the step's backward, before ``optimizer.step()`` updates the parameters,
         where the global optimizer hook cannot: an optimizer stepped with a closure (Lightning's
@@ -209,9 +229,10 @@ class Recorder:
         return None
 
     def _replay(self) -> dict:
-        """On a step that was not watched, find where its NaN/Inf was born by running its forward
-        passes again on a copy of the model (before the black box is written: it says how it went)."""
-        return {} if self._watched else self.origin.replay(self.captures.blackbox)
+        """On a step that was not watched (or whose compiled forward hid its inner modules), find
+        where its NaN/Inf was born by running its forward passes again on a copy of the model
+        (before the black box is written: it says how it went)."""
+        return {} if self._watched and not self.watcher.compiled else self.origin.replay(self.captures.blackbox)
 
     def _set_schedule(self, step: int) -> None:
         """Tell the hooks what the coming step records, and hook every module if it records

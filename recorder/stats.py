@@ -6,6 +6,7 @@ tensors and never writes them, so the training computes exactly what it would wi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -149,7 +150,8 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def floating_tensors(obj, limit: int = 8):
-    """The floating-point tensors in a module's input or output (tensors, tuples, lists, dicts)."""
+    """The floating-point tensors in a module's input or output (tensors, tuples, lists, dicts,
+    dataclasses; None and other values skipped), the first `limit`."""
     if isinstance(obj, torch.Tensor):  # the common cases first: one tensor, or a 1-tuple of one
         obj = (obj,)
     if type(obj) is tuple and len(obj) == 1 and isinstance(obj[0], torch.Tensor):
@@ -166,6 +168,8 @@ def floating_tensors(obj, limit: int = 8):
             stack.extend(reversed(x))
         elif isinstance(x, dict):
             stack.extend(reversed(list(x.values())))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # (a ModelOutput is a dict already)
+            stack.extend(reversed([getattr(x, f.name, None) for f in dataclasses.fields(x)]))
     return found
 
 

@@ -120,7 +120,8 @@ class StepRows:
                     np.full((len(self.watcher.hist_modules), N_BINS), -1) if bad_hist else None)  # (-1: not taken)
         mods = self.watcher.finish_step(host, len(self.watcher.names))
         self.loss_given = loss is not None
-        if not watched and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:
+        # (a compiled forward's inner modules are not measured even on a watched step: replayed too)
+        if (not watched or self.watcher.compiled) and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:
             self.origin.replay(self.captures.blackbox)  # a NaN/Inf no optimizer step saw first: find its module now
         mods = self.origin.merge(mods, loss_is_bad(loss, loss_value))
         if self._params:  # (model.to() keeps the Parameter objects)

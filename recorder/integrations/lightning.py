@@ -7,9 +7,11 @@ Each Trainer accepts only instances of its own package's Callback class: one bod
 mixed into each, the class made (and its package imported) when first asked for.
 
 The Recorder watches the LightningModule itself (names as its named_modules() spells them). The
-black box keeps the inputs of its forward calls: a training_step that calls ``self(x)``, as
-usual, gives them; one that calls submodules directly leaves them out, and then a NaN born on
-an unwatched step is placed in its module at the next watched step only (no replay without them).
+black box keeps each step's batch (and the inputs of the module's own forward calls); a NaN born
+on a step that was not watched is found by running ``training_step`` again on that batch, on a
+copy of the module, as Lightning ran it: a training_step that calls a child (``self.model(x)``)
+rather than ``self(x)`` is replayed too (manual optimization is not: its training_step steps
+the optimizers).
 
 Where the gradients are judged. Without a GradScaler, Lightning calls ``optimizer.step(closure)``
 and the closure runs training_step and backward *inside* the step, after the Recorder's global
@@ -70,6 +72,14 @@ class _Glue:
         self.recorder = Recorder(pl_module, self.run_dir, **{"start_step": trainer.global_step, **self.options})
         self._judge = getattr(trainer.precision_plugin, "scaler", None) is None
         self._stepped, self._losses = False, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The black box keeps the batch, and its replay runs training_step on it (a copy of the
+        # module, without the Trainer: its self.log() is skipped), as Lightning ran the step, so
+        # a training_step calling a child (self.model(x)) rather than self(x) is replayed too.
+        # Manual optimization's training_step steps the optimizers itself: not replayed.
+        if self.recorder is not None and pl_module.automatic_optimization:
+            self.recorder.keep_step_call("training_step", (batch, batch_idx), shared={id(trainer): None})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepped = True

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchautopsy import load
 
-from .common import BAD_STEP, N_STEPS, Body, assert_nan_found, assert_plain_loop_blackbox, batch, run_dir
+from .common import BAD_STEP, N_STEPS, Body, assert_nan_found, assert_plain_loop_blackbox, batch, blackbox, run_dir
 
 FRAMEWORKS = ["lightning", "pytorch_lightning"]
 
@@ -160,3 +160,40 @@ def test_a_fit_resumed_from_a_checkpoint_keeps_both_attempts_on_one_step_axis():
     assert load(run / "rank0.h5").ranks[0].step_index.tolist() == [0, 1, 2]
     assert load(run / "rank0.attempt2.h5").ranks[0].step_index.tolist() == [3, 4, 5]
     assert load(run).ranks[0].step_index.tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_a_training_step_that_calls_a_child_is_replayed_and_its_nan_named(name):
+    """training_step calls self.model(x), not self(x), and logs its loss (issue 36): the
+    LightningModule's own forward never runs, so the black box keeps the batch and the replay runs
+    training_step on it (on a copy without the Trainer: its self.log() is skipped)."""
+    pl, Callback = _framework(name)
+
+    class Wrapper(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = Body()
+
+        def training_step(self, b, batch_idx):
+            x, y = b
+            loss = F.cross_entropy(self.model(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    run = run_dir()
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=run.parent,
+                         callbacks=[Callback(run)])
+    trainer.fit(Wrapper(), _loader(N_STEPS, BAD_STEP))
+    assert_nan_found(run, where="model.expo")
+    rt = load(run).ranks[0]
+    box = rt.blackbox.iloc[0]
+    assert box["detail"]["step_calls"] == ["training_step"] and box["detail"]["forward_calls"] == 0
+    assert box["detail"]["trigger_detail"]["origin_replay"] == "reproduced: module 'model.expo'"
+    x, y = batch(BAD_STEP)  # the batch, exported as training_step's first argument
+    _, _, tensors = blackbox(run)
+    assert torch.equal(tensors["training_step0.args.0.0"], x) and torch.equal(tensors["training_step0.args.0.1"], y)
