@@ -159,7 +159,7 @@ def _measure(rt: RankTrace) -> _FirstBadStep | None:
         batch_bad=bool(batch_bad[i]), origin=int(origin[i]), consumer=int(steps["nonfinite_consumer"].iloc[i]),
         loss_bad=bool(loss_bad[i]), outs_bad=check.get("outputs_nonfinite", -1), ops=check.get("ops"),
         out_grad=int(steps["output_grad_nonfinite"].iloc[i]),
-        module_absmax=rt.module_stat(rows=[i]).to_numpy()[0],
+        module_absmax=rt.module_rows(rows=[i]).to_numpy()[0],
         grad_nonfinite=rt.param_stat("grad_nonfinite", rows=[i]).to_numpy()[0],
         weight_bad=~np.isfinite(rt.param_stat("param_norm", rows=[i]).to_numpy()[0]))
 
@@ -222,11 +222,11 @@ def _birth(rt: RankTrace, m: _FirstBadStep, stage: str, from_above: bool) -> tup
         return [], (f"the model's outputs were finite at step {step} (checked on the step itself) but the loss was "
                     f"{m.loss}: the loss function made it{_loss_ops.clause(m.ops, True)}")
     if stage == "unchecked":
+        # (no word on the loss function's ops: nothing says the NaN/Inf was born there)
         what = (f"the loss was {m.loss} at step {step}, a step whose module outputs were not "
-                f"checked (the recorder watches every module on sampled steps, and its replay of this step "
-                f"on a copy of the model did not reproduce the NaN/Inf)")
-        return [], what + ("; the model's outputs already held NaN/Inf on that step" if m.outs_bad == 1
-                           else _loss_ops.clause(m.ops, True))
+                f"checked (the recorder watches every module on sampled steps) and whose replay on a copy of "
+                f"the model found no origin: {_replay_said(rt, step)}")
+        return [], what + ("; the model's outputs already held NaN/Inf on that step" if m.outs_bad == 1 else "")
     if stage == "loss":
         return [], (f"every module output was finite at step {step} but the loss was {m.loss}"
                     f"{_loss_ops.clause(m.ops, True)}")
@@ -240,6 +240,21 @@ def _birth(rt: RankTrace, m: _FirstBadStep, stage: str, from_above: bool) -> tup
     bad_w = np.flatnonzero(m.weight_bad)
     return [rt.param_names[j] for j in bad_w[:5]], (f"gradients at step {step} were finite but {len(bad_w)} "
                                                     f"parameter(s) went non-finite in the optimizer update")
+
+
+def _replay_said(rt: RankTrace, step: int) -> str:
+    """Why the black box's replay of the step found no origin, in its own words."""
+    box = rt.blackbox
+    said = ""
+    for _, row in box[box["step"] == step].iterrows():
+        said = str(row["detail"].get("trigger_detail", {}).get("origin_replay", "") or "")
+    if not said:
+        return "the black box did not replay this step (it fired on another step, or was off)"
+    if said.startswith("not reproduced"):
+        return (said + " (the step's NaN/Inf depends on something the replay does not restore: state "
+                "outside the model's parameters, buffers, RNG and inputs, such as a counter a hook or the "
+                "forward reads, or a change to the inputs after the forward began)")
+    return said
 
 
 def _forward_birth(rt: RankTrace, m: _FirstBadStep) -> str:
