@@ -1,6 +1,8 @@
-"""Statistics of the batch as the model receives it, every step: its first floating-point input
-(positional, else keyword: ``pixel_values=``), reduced on its device when the root's forward
-starts, brought to the host with the step's loss.
+"""Statistics of the batch as the model receives it, every step: the first tensor argument of the
+root's forward that holds a batch (positional, else keyword: ``pixel_values=``; never a scalar
+such as the Trainer's ``num_items_in_batch``, a target or a mask; see batch_tensor), when it is
+floating-point, reduced on its device when the root's forward starts, brought to the host with
+the step's loss.
 
 Every training forward pass (one with gradients): min and max (one ``aminmax``) and mean and
 variance (one ``var_mean``), stacked: 3 ops, 4 numbers. On the CPU (unless fused_reductions),
@@ -17,7 +19,8 @@ module statistics are.
 
 What the analyzer reads from them: inputs never normalised (0..255 images, raw units), a
 constant or all-zero batch, features of wildly different scales, a shift mid-run
-(detectors/input_data.py). Integer inputs (token ids) have none.
+(detectors/input_data.py). Integer inputs (token ids) have none: "not normalised" means nothing
+for ids.
 """
 
 from __future__ import annotations
@@ -38,13 +41,21 @@ _WATCHED = 5  # numbers before the features' stds on a watched step
 _DOT_DTYPES = (torch.float32, torch.float64)
 
 
-def first_floating(args, kwargs):
-    """The first floating-point tensor among a forward's positional, then keyword, arguments."""
+_NOT_THE_BATCH = ("labels", "label", "targets", "target")  # keywords that are targets, not inputs
+
+
+def batch_tensor(args, kwargs):
+    """The tensor the model computes from: the first tensor among a forward's positional, then
+    keyword, arguments that holds a batch (one dimension or more, more than one element), not a
+    target (``labels=``) nor a mask (``attention_mask=``). Scalars are settings, not the batch:
+    the Hugging Face Trainer passes ``num_items_in_batch`` as a 0-d tensor. It may be integer
+    (token ids): statistics of a float batch do not apply to it, so none are taken."""
     for a in args:
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.numel() > 1:
             return a
-    for a in (kwargs or {}).values():
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
+    for k, a in (kwargs or {}).items():
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.numel() > 1 \
+                and k not in _NOT_THE_BATCH and not k.endswith("mask"):
             return a
     return None
 
@@ -59,8 +70,8 @@ class InputStats:
         self.fused_option: bool | None = None  # (RecorderConfig.fused_reductions: the GPU's ops, anywhere)
 
     def on_forward(self, args, kwargs) -> None:
-        x = first_floating(args, kwargs)
-        if x is None or x.numel() == 0 or x.is_sparse:
+        x = batch_tensor(args, kwargs)
+        if x is None or not x.is_floating_point() or x.is_sparse:
             return
         with torch.no_grad():
             v = stats_part(x, CPU_ELEMENTS if x.device.type == "cpu" else GPU_ELEMENTS)
