@@ -110,8 +110,8 @@ def _tail(others: list[dict], ranks: list[int], behind: list[int]) -> str:
 def where_stopped(d, cfg: HangConfig) -> dict | None:
     """Where a rank stood at its last heartbeat, or None if it wrote none after its last step."""
     beats = [b for b in d.heartbeats if d.last_step is None or b["step"] > d.last_step]
-    if not beats:
-        return None
+    if not beats or d.end_reason.startswith("recorder error"):
+        return None  # (a recorder that stopped on its own error: the training went on, unrecorded)
     b = beats[-1]
     typical = b["typical_step_s"] if b["typical_step_s"] == b["typical_step_s"] else 0.0
     stalled = b["step_s"] >= max(cfg.min_stall_s, cfg.min_stall_factor * typical)
