@@ -218,7 +218,7 @@ def step_kinds(run_dir: str, n: int) -> list[str]:
 
     rt = load(run_dir).ranks[0]
     kinds = [set() for _ in range(n)]
-    watched = rt.module_stat().to_numpy()
+    watched = rt.module_rows().to_numpy()
     for i in np.flatnonzero((watched != -1).any(axis=1)):
         kinds[i].add("watched")
     for s in rt.histogram_steps:

@@ -26,6 +26,8 @@ from .stats import Packer
 
 _UNIT_FUNCS = {"relu", "relu6", "leaky_relu", "gelu", "hardtanh"}
 _SATURATING = {"tanh", "sigmoid"}
+# Activation modules that compute with a tanh or sigmoid inside (see _inside_activation).
+_OTHER_ACTIVATIONS = ("gelu", "silu", "swish", "mish", "softplus", "glu", "activation")
 # Saturated: within 1% of the bound, |tanh| > 0.99 or sigmoid < 0.005 / > 0.995.
 SATURATION_LEVEL = 0.99
 # A site with more units than this is not tracked per unit (a flattened map, not a layer).
@@ -108,7 +110,7 @@ class ActivityTracker:
             units = int(y.shape[unit_dim])
             if units > MAX_UNITS:
                 units = 0
-        elif fn not in _SATURATING:
+        elif fn not in _SATURATING or self._inside_activation(module, fn):
             return None
         site = _Site(len(self.sites), fn, unit_dim, units, self._bits)
         self._bits += units
@@ -124,6 +126,15 @@ class ActivityTracker:
             "first_step": self.step,
         })
         return site
+
+    def _inside_activation(self, module: int, fn: str) -> bool:
+        """The tanh or sigmoid is a part of another activation (GPT-2's NewGELUActivation computes
+        GELU with a tanh, SiLU is x * sigmoid(x)): a weightless leaf module whose class names
+        another activation. Its saturation is that function's shape, not a saturated layer."""
+        w = self.watcher
+        name = w.types[module].lower()
+        return w.is_leaf[module] and not w.has_weights[module] and fn not in name \
+            and any(k in name for k in _OTHER_ACTIVATIONS)
 
     def _unit_dim(self, args, y: torch.Tensor) -> int:
         if y.dim() <= 2:

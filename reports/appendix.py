@@ -173,7 +173,7 @@ def module_table(ctx: Context) -> Table:
         all_finite[a:a + len(block)] = np.isfinite(block).all(axis=1) & measured_rows(block)
     i = _last_finite_row(np.where(all_finite, 0.0, np.nan))
     at = int(rt.step_index[i])
-    out = rt.module_stat(rows=[i])
+    out = rt.module_rows(rows=[i])
     sampled = read_or_none(lambda: rt.sample_steps("activations"))
     k = int(np.searchsorted(sampled, at, "right")) - 1 if sampled is not None else -1
     act_row = {}

@@ -96,7 +96,7 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
         title=f"torchautopsy report: {trace.run_dir}",
         run_dir=trace.run_dir,
         version=__version__,
-        run_line=run_line(trace),
+        run_line=run_line(trace, endings=False),
         facts=run_facts(trace),
         settings=recorder_settings(trace),
         verdict=verdict,

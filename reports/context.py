@@ -62,7 +62,7 @@ class Context:
         """Steps x modules (labelled: the root is '(model)') of max |output|, as param()."""
         return self._cached((rt.rank, "module", span),
                             lambda: _per_step(rt, "modules/output_absmax", rt.module_labels, span,
-                                              lambda rows: rt.module_stat(rows=rows)))
+                                              lambda rows: rt.module_rows(rows=rows)))
 
     def updates(self, rt: RankTrace) -> pd.DataFrame | None:
         """Sampled steps x parameters of the update-to-weight ratio (an envelope when long)."""

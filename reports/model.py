@@ -37,6 +37,7 @@ class Fact:
     label: str
     value: str
     bad: bool = False  # a fact the reader should not miss (a killed job, unreadable ranks)
+    first_screen: bool = True  # a bad fact is also said under the run line (unless that line says it)
 
 
 # An evidence row: (key, text) or, for a nested dict, (key, rows again).

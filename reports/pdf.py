@@ -143,7 +143,7 @@ class _Doc(FPDF):
         self._text(self.r.run_dir, size=8.5, color=_MUTED, family="mono")
         self._text(self.r.run_line, size=9.5)
         for f in self.r.facts:
-            if f.bad:
+            if f.bad and f.first_screen:
                 self._text(f"{f.label}: {f.value}", size=9.5, style="B", color=_RGB["error"])
         self.ln(3)
         self._verdict()

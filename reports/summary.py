@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 
+from ..analyzer.cross_rank.merge import rank_set
 from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
 from ..analyzer.restarts import restart_lines
 from ..analyzer.run import checked_kinds
@@ -75,10 +76,20 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
                    fix=first_fix(head_f.advice))
 
 
+_ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "approx.")
+
+
 def first_fix(advice: str) -> str:
-    """The advice's first sentence: the one thing to try first, for the verdict."""
-    m = re.match(r"(.+?[.!?])(\s|$)", advice.strip(), re.S)
-    return (m.group(1) if m else advice.strip())
+    """The advice's first sentence: the one thing to try first, for the verdict. A sentence ends
+    at . ! or ? before a space or the end, never inside parentheses or after an abbreviation
+    ("a collective that only some ranks call (e.g. under a condition)" is one sentence)."""
+    text, depth = advice.strip(), 0
+    for i, c in enumerate(text):
+        depth += (c in "([") - (c in ")]") if depth or c in "([" else 0
+        if c in ".!?" and depth <= 0 and (i + 1 == len(text) or text[i + 1].isspace()) \
+                and not text[:i + 1].lower().endswith(_ABBREVIATIONS):
+            return text[:i + 1]
+    return text
 
 
 def _when(f: Finding):
@@ -101,10 +112,11 @@ def _capitalize(t: Text) -> Text:
 
 
 # -- the header -----------------------------------------------------------------------------------
-def run_line(trace: Trace) -> str:
+def run_line(trace: Trace, endings: bool = True) -> str:
     """The run in one line: model, parameters, steps, ranks, how it ended; the optimizer and its
     learning rate. ``Sequential (5,313 parameters), 100 steps (0-99), 1 rank, 0.4 s; Adam, lr
-    0.001; closed cleanly``."""
+    0.001; closed cleanly``. Without ``endings``, ranks that ended in different ways are left to
+    run_facts' lines (one per way)."""
     ranks = list(trace.ranks.values())
     first = ranks[0]
     meta = first.meta
@@ -114,8 +126,9 @@ def run_line(trace: Trace) -> str:
     opt = optimizer_line(first)
     if opt:
         parts.append(opt)
-    ends = sorted({ending(r) for r in ranks})
-    parts.append("; ".join(ends))
+    groups = ending_groups(ranks)
+    if endings or len(groups) == 1:
+        parts.append("; ".join(reason if len(groups) == 1 else f"{reason} on {who}" for reason, who in groups))
     if trace.unreadable:
         parts.append(f"{plural(len(trace.unreadable), 'rank file')} unreadable")
     return "; ".join(parts)
@@ -154,8 +167,10 @@ def run_facts(trace: Trace) -> list[Fact]:
         Fact("Trace size", f"{format_bytes(trace.size_bytes)} in {trace.n_files} file(s), written by "
                            f"{_distinct(ranks, 'created_by')}"),
     ]
-    endings = {r.rank: ending(r) for r in ranks}
-    facts.append(Fact("Ended", _per_rank(endings), bad=set(endings.values()) != {CLEAN_END}))
+    groups = ending_groups(ranks)
+    # One line per way the ranks ended; a single way is in the run line of the first screen already.
+    facts.extend(Fact("Ended", reason if len(groups) == 1 else f"{who}: {reason}", bad=reason != CLEAN_END,
+                      first_screen=len(groups) > 1) for reason, who in groups)
     facts.extend(Fact("Restart", line) for line in restart_lines(trace))  # a file per attempt
     dropped = sum(int(r.meta.get("dropped_steps", r.meta.get("dropped_rows", 0)) or 0) for r in ranks)
     if dropped:
@@ -174,6 +189,21 @@ def recorder_settings(trace: Trace) -> list[tuple[str, str]]:
     return [(str(k), str(v)) for k, v in sorted(cfg.items())]
 
 
+def ending_groups(ranks: list[RankTrace]) -> list[tuple[str, str]]:
+    """How the ranks' recordings ended: (reason, its ranks) for each distinct reason, in rank
+    order: ``("closed on SIGTERM (pre-empted or cancelled)", "rank 2")``."""
+    by_reason: dict[str, list[int]] = {}
+    for r in ranks:
+        by_reason.setdefault(ending(r), []).append(r.rank)
+    every = [r.rank for r in ranks]
+    return [(reason, rank_set(rs, every)) for reason, rs in sorted(by_reason.items(), key=lambda kv: min(kv[1]))]
+
+
+# A library's own source place at the head of its error message ("[/__w/pytorch/pytorch/third_party/
+# gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out ..."): where in gloo, not what happened.
+_SOURCE_PLACE = re.compile(r"\[[^\]\s]*[/\\][^\]\s]*:\d+\]\s*")
+
+
 def ending(rt: RankTrace) -> str:
     """How the recording of one rank ended, in words."""
     if not rt.closed_cleanly:
@@ -187,7 +217,7 @@ def ending(rt: RankTrace) -> str:
     if reason == "sigterm":
         return "closed on SIGTERM (pre-empted or cancelled)"
     if reason.startswith("exception"):
-        return f"closed by an exception in the training loop ({reason.partition(': ')[2]})"
+        return f"closed by an exception in the training loop ({_SOURCE_PLACE.sub('', reason.partition(': ')[2])})"
     return reason  # e.g. "recorder error: ..." when recording stopped early
 
 

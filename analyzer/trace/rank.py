@@ -17,8 +17,8 @@ import pandas as pd
 
 from ..errors import SchemaVersionError, TraceFormatError
 from . import schema, upgrade
-from .format import (module_label, ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS, SCHEMA_VERSION,
-                     UNMEASURED_IS_NEGATIVE,
+from .format import (measured_rows, module_label, ACTIVATION_STATS, FORMAT_NAME, MODULE_STATS, PARAM_STATS,
+                     SCHEMA_VERSION, UNMEASURED_IS_NEGATIVE,
                      _PER_STEP_TABLES, _attr, _open, _strings, parse_json, rank_of_file)
 from .liveness import Liveness
 from .training_setup import TrainingSetup
@@ -141,9 +141,16 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
         idx, data = self._read_rows(f"params/{stat}", rows, self.n_steps)
         return self._frame(data, self.step_index[idx], self.param_names, f"params/{stat}")
 
-    def module_stat(self, stat: str = "output_absmax", rows=None) -> pd.DataFrame:
-        """Steps x modules: max |output| per step (NaN/Inf when the output was; -1 = not measured:
-        not called, or the step not watched). The root module's column is '(model)'."""
+    def module_stat(self, stat: str = "output_absmax") -> pd.DataFrame:
+        """Watched steps x modules: max |output| per step, a row for each step whose modules were
+        watched (NaN/Inf where the output was; -1 where the module did not run on that step).
+        The root module's column is '(model)'."""
+        frame = self.module_rows(stat)
+        return frame[measured_rows(frame.to_numpy())]
+
+    def module_rows(self, stat: str = "output_absmax", rows=None) -> pd.DataFrame:
+        """Steps x modules, every step (``rows``: those rows): as module_stat, -1 also on every
+        step that was not watched (the detectors' view)."""
         if stat not in MODULE_STATS:
             raise ValueError(f"unknown module statistic {stat!r}; one of {MODULE_STATS}")
         idx, data = self._read_rows(f"modules/{stat}", rows, self.n_steps)

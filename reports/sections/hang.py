@@ -18,11 +18,17 @@ PHASE_COLORS = {"data": "#ef6c00", "between_steps": "#ffb74d", "forward": "#c628
                 "recorder": "#757575", "": "#9e9e9e"}
 
 
+_PHASES = {"between_steps": "start", "data": "data loading", "forward": "forward",
+           "backward": "backward (or optimizer step)", "recorder": "rec.step()"}
+
+
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
     ev: hang.Evidence = f.evidence
-    who = f"rank {f.rank}" if f.rank is not None else "every rank"
-    return text(f"{who} stopped in {step(f.step)}'s {ev.get('phase') or 'start'}"
+    # (the verdict adds "on rank N" to a finding's phrase: not named here)
+    who = "the job stopped" if f.rank is not None else "every rank stopped"
+    phase = _PHASES.get(ev.get("phase") or "", "start")
+    return text(f"{who} in {step(f.step)}'s {phase}"
                 + (f" at {ev.get('at')}" if ev.get("at") else ""))
 
 

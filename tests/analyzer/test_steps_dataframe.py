@@ -37,5 +37,8 @@ def test_the_per_module_frames_name_the_root_module():
     out = rt.module_stat()
     assert list(out.columns) == ["(model)"] + rt.module_names[1:]
     assert out.loc[0, "(model)"] > 0  # step 0 is watched: the model's output measured
+    # Rows only for the watched steps (issue 36: unwatched steps were rows of -1), every one measured.
+    assert list(out.index) == [int(s) for s in rt.module_rows().index if rt.module_rows().loc[s].max() != -1]
+    assert 0 < len(out) < rt.n_steps and (out.loc[:, "(model)"] != -1).all()
     acts = rt.activation_stat("mean")
     assert list(acts.columns) == list(out.columns)

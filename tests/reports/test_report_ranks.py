@@ -94,3 +94,18 @@ def test_past_96_ranks_the_rows_are_groups_and_the_odd_rank_still_shows(tmp_path
     row = next(i for i, lab in enumerate(labels) if lab == "rank 77" or (
         lab.startswith("ranks ") and int(lab.split()[1].split("-")[0]) <= 77 <= int(lab.split("-")[-1])))
     assert dev[row].max() >= 1 and np.sort(np.abs(dev).max(axis=1))[-2] < 0.5  # that group's row alone
+
+
+def test_the_first_screen_says_each_way_the_ranks_ended_once_and_a_whole_fix():
+    """sample_traces/ddp_hang (issue 36): its "Fix first" sentence was cut inside a parenthesis
+    ("... only some ranks call (e.g."), and the ranks' endings came twice, with gloo's source paths."""
+    from pathlib import Path
+
+    trace = load(str(Path(__file__).parents[2] / "sample_traces" / "ddp_hang"))
+    report = build_report(trace, analyze(trace, workers=1))
+    assert report.verdict.fix.endswith("(e.g. under `if rank == 0:`).")
+    header = render_html(report).split("</header>")[0]
+    ended = [line for line in header.split("\n") if "Ended:" in line]
+    assert [line.split("Ended: ")[1].split(":")[0] for line in ended] == ["ranks 0-1", "rank 2", "rank 3"]
+    assert "gloo" not in header and "unbound_buffer.cc" not in header
+    assert report.run_line.endswith("lr 0.001")  # (the endings are those lines, not repeated in it)

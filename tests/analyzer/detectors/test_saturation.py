@@ -39,3 +39,20 @@ def test_trace_without_activity_tables_is_not_checked(tmp_path):
     (f,) = findings(tmp_path, KIND)
     assert (f.severity, f.step, f.where) == ("info", None, [])
     assert f.evidence["lacking"] == ["activity/saturated_frac"]
+
+
+def test_several_saturated_layers_are_one_finding_the_first_named_first(tmp_path):
+    """One cause saturates every tanh layer: one warning listing them, dated and named by the
+    first to saturate (issue 36: a tanh MLP got 16 warnings)."""
+    b = TraceBuilder.mlp(layers=5, steps=100, act="Tanh").loss(1.0).total_grad_norm(1.0)
+    for m in ("1", "3", "5", "7"):
+        b.activity_site(m, function="tanh", units=0)
+    shares = {"1": [0.1, 0.2, 0.3, 0.7, 0.8], "3": [0.1, 0.6, 0.7, 0.8, 0.9], "5": [0.1, 0.2, 0.6, 0.7, 0.95],
+              "7": [0.0, 0.1, 0.1, 0.1, 0.1]}
+    for k, (start, end) in enumerate(WINDOWS):
+        b.activity_window(start, end, saturated={m: v[k] for m, v in shares.items()})
+    b.write(tmp_path)
+    (f,) = findings(tmp_path, KIND)
+    assert (f.step, f.where) == (5, ["3", "5", "1"])
+    assert [x["module"] for x in f.evidence["layers"]] == ["3", "5", "1"]
+    assert f.evidence["saturated_share"] == pytest.approx(0.9) and "3 layers" in f.summary
