@@ -12,7 +12,8 @@
   C is its last dimension); a run resumed from a checkpoint (first step above 0) is not judged.
 - ``never_moved`` (warning): over ``min_steps`` optimizer steps from step 0, the median loss of
   the run's last quarter is within ``still`` (or, if the batches' losses scatter more, within
-  ``noise`` standard errors) of the median of its first quarter: the "overfit one batch" check
+  ``noise`` standard errors) of where it started, the median of its first ``first_steps`` steps
+  (2% of a long run): the "overfit one batch" check
   failed (nothing trains: a learning rate of ~0, gradients that do not reach the weights, labels
   unrelated to the inputs).
 """
@@ -38,17 +39,18 @@ class InitialLossConfig:
     factor: float = 2.0  # the first loss at least this many times the chance loss ...
     margin: float = 1.0  # ... and this many nats above it
     min_steps: int = 100  # optimizer steps a run needs before "never moved" is judged
+    first_steps: int = 5  # where the loss started: the median of its first steps (at least this many, 2% of the run)
     still: float = 0.01  # the last quarter's median within 1% of the first quarter's ...
     noise: float = 3.0  # ... or within 3 standard errors of the two medians' difference
 
     def __post_init__(self):
-        _check(self, factor=(1.0, None), margin=(0.0, None), min_steps=(8, None), still=(0.0, 1.0),
-               noise=(0.0, None))
+        _check(self, factor=(1.0, None), margin=(0.0, None), min_steps=(8, None), first_steps=(1, None),
+               still=(0.0, 1.0), noise=(0.0, None))
 
 
 class Evidence(BaseEvidence, total=False):
     cause: str  # far_from_chance | never_moved
-    initial_loss: float  # the first step's loss (far_from_chance) or the first quarter's median (never_moved)
+    initial_loss: float  # the first step's loss (far_from_chance) or the median of the first steps (never_moved)
     chance_loss: float  # far_from_chance: ln(classes), or ln 2 for a binary cross-entropy
     classes: int  # ... C, the model's output's last dimension (2 for binary)
     loss_ops: list  # ... the loss function's autograd ops
@@ -94,19 +96,21 @@ def detect(rt: RankTrace, cfg: InitialLossConfig) -> list[Finding]:
     finite = np.isfinite(loss)
     if stepped.sum() >= cfg.min_steps and finite.sum() >= cfg.min_steps and int(steps[0]) == 0:
         ok = loss[finite]
-        q = len(ok) // 4
-        start, end = float(np.median(ok[:q])), float(np.median(ok[-q:]))
-        # The standard error of a median of q values is ~1.25 sigma / sqrt(q); sigma from the MAD
+        q, k = len(ok) // 4, max(cfg.first_steps, len(ok) // 50)
+        # Where the loss started (its first steps: a loss that falls 7x in its first 20 steps and
+        # slowly after that moved, though its first and last quarters are alike) against where it ended.
+        start, end = float(np.median(ok[:k])), float(np.median(ok[-q:]))
+        # The standard error of a median of n values is ~1.25 sigma / sqrt(n); sigma from the MAD
         # of the steps' differences (a trend does not inflate it).
         sigma = 1.4826 * float(np.median(np.abs(np.diff(ok) - np.median(np.diff(ok))))) / math.sqrt(2)
-        tol = max(cfg.still, cfg.noise * 1.25 * sigma * math.sqrt(2 / q) / abs(start)) if start else 0.0
+        tol = max(cfg.still, cfg.noise * 1.25 * sigma * math.sqrt(1 / k + 1 / q) / abs(start)) if start else 0.0
         change = (end - start) / abs(start) if start else math.inf
         if start and abs(change) <= tol:
             ev = {"cause": "never_moved", "initial_loss": start, "final_loss": end, "relative_change": change,
                   "tolerance": tol, "optimizer_steps": int(stepped.sum())}
             out.append(Finding(KIND, "warning", int(steps[np.flatnonzero(finite)[0]]), [""],
-                               f"The loss never moved: {start:.4g} over the first quarter of {int(stepped.sum()):,} "
-                               f"optimizer steps, {end:.4g} over the last ({change:+.2%}, within the batches' "
+                               f"The loss never moved: {start:.4g} over its first {k} steps of {int(stepped.sum()):,} "
+                               f"optimizer steps, {end:.4g} over the last quarter ({change:+.2%}, within the batches' "
                                f"noise of {tol:.2%}).", ev, ADVICE["never_moved"]))
     return out
 

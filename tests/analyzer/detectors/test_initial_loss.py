@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,3 +97,23 @@ def test_bert_computing_its_own_loss_starts_near_chance(tmp_path):
         rec.step(loss=loss)
     (f,) = [f for f in analyze(load(tmp_path / "big")) if f.kind == "initial_loss"]
     assert f.evidence["classes"] == 5
+
+
+def _loss_trace(tmp_path, values):
+    from tests.tracebuilder import TraceBuilder, findings
+
+    TraceBuilder.mlp(steps=len(values)).loss(values).set("steps/optimizer_steps", 1).write(tmp_path)
+    return [f for f in findings(tmp_path, "initial_loss") if f.evidence.get("cause") == "never_moved"]
+
+
+def test_a_loss_that_fell_in_its_first_steps_and_slowly_after_moved(tmp_path):
+    """Judged from where the loss started (issue 37): an IRNN on the adding problem falls 1.19 ->
+    0.2 in 10 steps and 0.2 -> 0.17 over the next 290; a loss that fell 40% and then plateaued."""
+    rng = np.random.default_rng(0)
+    n = 300
+    fast = np.concatenate([np.geomspace(1.19, 0.2, 10), np.linspace(0.2, 0.17, n - 10)]) * (1 + rng.normal(0, 0.3, n))
+    assert _loss_trace(tmp_path / "fast", fast) == []
+    plateau = np.concatenate([np.linspace(2.0, 1.2, 10), np.full(n - 10, 1.2)]) * (1 + rng.normal(0, 0.03, n))
+    assert _loss_trace(tmp_path / "plateau", plateau) == []
+    (f,) = _loss_trace(tmp_path / "still", 2.3 * (1 + rng.normal(0, 0.03, n)))
+    assert f.step == 0 and abs(f.evidence["relative_change"]) <= f.evidence["tolerance"]
