@@ -127,8 +127,9 @@ def _group_cause(grp: _Group, modules: list[str]) -> tuple[str, str]:
     else:
         cause += "."
         advice = ADVICE_TENSORS
-    if modules:
-        cause += f" That is the shape of the output of {', '.join(modules)}: something keeps it (a hook, a cache)."
+    if modules and not (graph and shape == "[]"):  # (a kept loss is the loss: no module's output to blame)
+        named = ", ".join(m or "the model itself" for m in modules)
+        cause += f" That is the shape of the output of {named}: something keeps it (a hook, a cache)."
     return cause, advice
 
 

@@ -212,7 +212,7 @@ def _onset(loss, ref: _Reference, cfg, cross: int) -> int:
     """Where the rise shows first: within the window that crossed, the first step whose own loss
     was up (against the best at the crossing) and from which most losses up to the crossing were
     up (so a noisy batch or two earlier in the window does not date it)."""
-    lo = max(cross - cfg.window + 1, cfg.window - 1)
+    lo = max(cross - cfg.window + 1, 0)  # (a rise inside the warm-up window is dated where it began)
     raw = ref.is_up(loss[lo:cross + 1], cfg, at=cross)
     share = np.cumsum(raw[::-1])[::-1] / np.arange(len(raw), 0, -1)
     hits = np.flatnonzero(raw & (share > 0.5))

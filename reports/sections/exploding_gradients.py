@@ -17,8 +17,17 @@ TITLE = "Gradient norm per layer"
 def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
     ev: exploding_gradients.Evidence = f.evidence
-    how = "exploded" if f.severity == "error" else "jumped"
     where = text(" (fastest growth in ", names(f.where), ")") if f.where else ()
+    # Each variant of the finding says what its evidence holds (no "?x" for a missing number).
+    if "early_to_late_rms_ratio" in ev:
+        return text(f"from {step(f.step)}, early layers' gradients {num(ev['early_to_late_rms_ratio'])}x the "
+                    f"late layers'", where)
+    if "activation_growth" in ev:
+        return text(f"from {step(f.step)}, activations growing {num(ev['activation_growth'])}x through depth",
+                    where)
+    if "ratio_at_step" not in ev:
+        return text(f"gradients exploding from {step(f.step)}", where)
+    how = "exploded" if f.severity == "error" else "jumped"
     return text(f"gradients {how} from {step(f.step)}, to {num(ev.get('ratio_at_step'))}x their early norm",
                 where)
 

@@ -41,7 +41,8 @@ def figure_for(ctx: Context, f: Finding) -> Figure:
         return no_figure(title, "Fewer than two steps measured the weights (watched steps: activations_every).")
     norms = np.asarray(rows, dtype=np.float64)
     change = norms / np.where(norms[0] > 0, norms[0], np.nan) - 1.0
-    moved = np.nanmax(np.abs(change), axis=0)
+    # (a parameter whose first norm is 0 has only NaN changes: ranked last, with no numpy warning)
+    moved = np.max(np.where(np.isnan(change), -np.inf, np.abs(change)), axis=0)
     others = [i for i in np.argsort(-np.nan_to_num(moved), kind="stable") if i not in set(named)][:OTHERS]
     x = np.asarray(steps, dtype=float)
     lines = [plots.Line(rt.param_names[i], x, change[:, i], emphasis=True) for i in named]

@@ -84,3 +84,12 @@ def test_a_step_without_loss_is_not_a_blow_up_when_gradients_were_not_recorded(t
     (f,) = findings(tmp_path, KIND)
     # As without step 90's gap: a warning, "stayed up"; it says error, "went NaN at step 90".
     assert (f.severity, f.step, f.evidence["first_nonfinite_loss_step"]) == ("warning", 60, None)
+
+
+def test_a_jump_inside_the_first_window_is_dated_where_it_happened(tmp_path):
+    """Issue 37 (8): a loss that jumped 1,000x at step 15, inside the first 20-step window, was
+    dated at step 19 (the window's end), 4 steps after the jump."""
+    loss = np.concatenate([np.linspace(2.0, 1.8, 15), np.full(45, 2000.0)])
+    TraceBuilder.mlp(steps=60).loss(loss).write(tmp_path)
+    (f,) = findings(tmp_path, "loss_divergence")
+    assert f.step == 15 and f.severity == "error"
