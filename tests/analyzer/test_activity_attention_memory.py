@@ -165,7 +165,18 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
     holds only its graph's nodes (KBs), far below what resident memory shows in a short run; the
     census still counts one more tensor with a graph per step."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    class SelfLoss(nn.Module):
+        """Computes its own loss (as transformers' models do with labels=): its output is a scalar."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, x):
+            return self.net(x).pow(2).mean()
+
+    model = SelfLoss()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kept = []
     g = torch.Generator().manual_seed(0)
@@ -174,7 +185,7 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
         with Recorder(model, run_dir, census_every=10, census_budget=1.0) as rec:
             for step in range(150):
                 x = torch.randn(32, 32, generator=g)
-                loss = model(x).pow(2).mean()
+                loss = model(x)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -190,6 +201,7 @@ def test_a_loss_kept_after_backward_is_a_leak_before_memory_shows_it(tmp_path):
     assert 0.9 <= f.evidence["tensors_with_graph_per_step"] <= 1.1
     assert f.evidence["growing_group"]["shape"] == "[]" and f.evidence["growing_group"]["graph"], f.evidence
     assert "a loss tensor kept across iterations" in f.summary
+    assert "the output of" not in f.summary  # (the model's own output is that loss: no module to blame)
     # The same loop that reads loss.item() instead of keeping the tensor: no leak.
     train(tmp_path / "ok", keep=lambda loss: loss.item())
     assert not of_kind(analyze(load(tmp_path / "ok")), "memory_leak")
