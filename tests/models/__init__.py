@@ -1,1 +1,1 @@
-"""Real model code from other projects, vendored unchanged for the tests (each file says whence)."""
+"""Models for the tests that stand in for other projects' code: each says which interface it keeps."""

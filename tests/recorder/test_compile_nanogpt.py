@@ -1,5 +1,5 @@
-"""Issue 36: nanoGPT's own model file under torch.compile, the Recorder given the compiled module
-or the eager one compiled after it.
+"""Issue 36: a GPT with nanoGPT's interface (tests/models/nanogpt.py) under torch.compile, the
+Recorder given the compiled module or the eager one compiled after it.
 
 Its forward returns ``(logits, None)`` without targets (the recorder stopped at step 0 on the
 None and the analyzer called the empty trace clean) and ``(logits, loss)`` with them. Each run
@@ -46,7 +46,7 @@ def train(order: str, record: bool = True, targets_inside: bool = True, bad: boo
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True))
+    model = GPT(GPTConfig())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run = Path(tempfile.mkdtemp(prefix="nanogpt_")) / "run"
     rec = None
