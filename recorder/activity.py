@@ -79,8 +79,7 @@ class ActivityTracker:
             lo = call_arg(args, kwargs, 1, "min_val", -1.0)
             if lo != 0.0:
                 return
-        frame[1] += 1
-        key = (frame[0], fn, frame[1] - 1)
+        key = (frame[0], fn, self.watcher.next_call(frame, 1))
         site = self.sites.get(key)
         with torch.no_grad():  # (no detach needed under no_grad: no graph is recorded)
             y = out

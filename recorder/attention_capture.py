@@ -78,11 +78,11 @@ class AttentionTracker:
                 frame = self.watcher.current()
                 if frame is None:
                     return None
-                frame[2] += 1
+                call = self.watcher.next_call(frame, 2)
                 if not call_arg(args, kwargs, 4, "need_weights", True):
-                    self._pending[frame[0]] = (frame[2] - 1, module, args, kwargs)
+                    self._pending[frame[0]] = (call, module, args, kwargs)
                 else:
-                    self._mha(frame[0], frame[2] - 1, module, args, kwargs)
+                    self._mha(frame[0], call, module, args, kwargs)
             except Exception as e:
                 self.on_error(e)
             return None
@@ -136,8 +136,7 @@ class AttentionTracker:
                 return
             key = (frame[0], "MultiheadAttention", pending[0])
         else:
-            frame[2] += 1
-            key = (frame[0], "scaled_dot_product_attention", frame[2] - 1)
+            key = (frame[0], "scaled_dot_product_attention", self.watcher.next_call(frame, 2))
         q, k = call_arg(args, kwargs, 0, "query"), call_arg(args, kwargs, 1, "key")
         res = sdpa_probs(
             q, k, attn_mask=call_arg(args, kwargs, 3, "attn_mask"),
@@ -161,13 +160,13 @@ class AttentionTracker:
             return
         if isinstance(self.watcher.modules[frame[0]], nn.MultiheadAttention):
             return
-        frame[2] += 1
+        call = self.watcher.next_call(frame, 2)
         with torch.no_grad():
             n = min(4, out.shape[0])  # (a slice of the batch, as for the other sources)
             logits = x[:n].detach()
             allowed = torch.isfinite(logits) & (logits > torch.finfo(logits.dtype).min / 2) \
                 if logits.is_floating_point() else None
-            self._observe((frame[0], "softmax", frame[2] - 1), out[:n].detach().float(), allowed)
+            self._observe((frame[0], "softmax", call), out[:n].detach().float(), allowed)
 
     def _observe(self, key, probs: torch.Tensor, allowed) -> None:
         site = self.sites.get(key)

@@ -46,6 +46,7 @@ from .watch_batch import Measurements
 
 
 _BATCH = -2  # (finish_step: the -Inf came with the input batch)
+MAX_SITE_CALLS = 16  # activation or attention sites of one module (next_call)
 
 
 class ModuleWatcher:
@@ -104,6 +105,14 @@ class ModuleWatcher:
         self.writes_input = {i for i, m in enumerate(self.modules) if getattr(m, "inplace", False) is True}
         self.written_after: set[int] = set()
         self._reset()
+
+    @staticmethod
+    def next_call(frame: list, slot: int) -> int:
+        """The number of this activation (slot 1) or attention (slot 2) call within the frame's
+        module during the step, counted over its calls (a module called twice has sites of its
+        own per call); calls past MAX_SITE_CALLS share the last site (a cell looped over time)."""
+        frame[slot] += 1
+        return min(frame[slot] - 1, MAX_SITE_CALLS - 1)
 
     def current(self) -> list | None:
         """The frame of the innermost module whose forward is running, or None (also while
@@ -176,6 +185,7 @@ class ModuleWatcher:
         self._producers: dict[int, tuple[weakref.ref, int]] = {}
         self.meas.reset()  # the checks and statistics of the step (watch_batch.py)
         self._calls: list[tuple[int, list[int], list[int]]] = []  # (module, input checks, output checks)
+        self._site_calls: dict[int, tuple[int, int]] = {}  # module -> its activation, attention calls this step
         self._acts: dict[int, list[int]] = {}  # module -> statistics rows, one per call
         self._hists: dict[int, torch.Tensor] = {}  # module -> summed histogram counts
         self._sampled: set[int] = set()  # modules whose output was sampled this step
@@ -223,7 +233,10 @@ class ModuleWatcher:
                                 self._flush()
                 except Exception as e:  # never raise into the model's forward
                     self._on_error(e)
-            self.stack.append([index, 0, 0, ins, versions])
+            # The activation and attention calls counted on from this module's earlier calls in
+            # the step: each call of a module called twice (BasicBlock's one nn.ReLU) is a site.
+            acts, attns = self._site_calls.get(index, (0, 0))
+            self.stack.append([index, acts, attns, ins, versions])
 
         return pre_hook
 
@@ -238,6 +251,8 @@ class ModuleWatcher:
                 if frame[0] == index:
                     break
             ins = frame[3] if frame is not None and frame[0] == index else None
+            if frame is not None and frame[0] == index:
+                self._site_calls[index] = (frame[1], frame[2])
             if ins is None:  # evaluation under no_grad (not recorded), or too many calls
                 return
             try:
@@ -314,6 +329,10 @@ class ModuleWatcher:
                 out[self.hist_modules[index]] = counts[k]
         return out
 
+    def _inside(self, inner: int, outer: int) -> bool:
+        """Module `inner` is a submodule of `outer` (by name: its forward runs inside outer's)."""
+        return inner != outer and (outer == 0 or self.names[inner].startswith(self.names[outer] + "."))
+
     def finish_step(self, host: dict[str, np.ndarray], n_modules: int) -> dict:
         """Turn this step's host values into per-module rows; then forget the step."""
         if not self._calls and not self._acts:  # not watched: nothing measured (-1)
@@ -344,6 +363,7 @@ class ModuleWatcher:
         amax, bad_l, neg_l = absmax.tolist(), bad.tolist(), neg_inf.tolist()
         faults = bool(bad.any() or neg_inf.any())
         made_neg: dict[int, int] = {}  # tensor (pair index) holding -Inf -> the module that made it
+        neg_makers: list[int] = []  # the modules that made a -Inf from finite inputs, in order
         if faults:  # (the root's call completes last: its inputs, the batch, are seen first here)
             for module, ins, _ in self._calls:
                 if module == 0:
@@ -364,7 +384,10 @@ class ModuleWatcher:
                     first_bad = module
                 if origin < 0 and not in_bad:
                     if not in_neg:
-                        origin = module  # born here, from finite inputs
+                        origin = module  # born here, from finite inputs ...
+                        inner = [m for m in neg_makers if self._inside(m, module)]
+                        if inner:  # ... unless a -Inf a submodule made went into it (cat, arithmetic)
+                            origin, consumer = inner[-1], module
                     else:  # a -Inf made a fault here: the module that made it is the origin
                         # (that tensor's maker; else, after ops outside the modules, the last
                         # module that made a -Inf from finite inputs)
@@ -376,6 +399,7 @@ class ModuleWatcher:
                 if first_neg < 0:
                     first_neg = module
                 last_neg = module
+                neg_makers.append(module)
         # Should the step's loss be NaN/Inf with no module output NaN/+Inf, a -Inf went into it
         # outside the modules (a sum, the loss function): its maker, or the batch, is the origin
         # (the recorder decides at rec.step(), where the loss is known: neg_origin).

@@ -28,16 +28,21 @@ class NanOrigin:
         self.replayed = blackbox.replay()
         return {"origin_replay": self.replayed["replay"]}
 
-    def merge(self, mods: dict, loss_bad: bool) -> dict:
+    def merge(self, mods: dict, loss_bad: bool, grads_bad: bool) -> dict:
         """The watcher's row of the step, with what the replay found (a reproduced replay's row;
-        else only the maker of a -Inf it saw) and, when no module made NaN/+Inf but the loss is,
-        the module whose -Inf went into the loss."""
+        else only the maker of a -Inf it saw) and, when no module made NaN/+Inf, the module whose
+        -Inf went into the loss (the loss went NaN/Inf), or into a layer that hid it in the
+        forward (a GRU's saturated gates) and made NaN of it in the backward (the loss finite, the
+        gradients not, unless the gradient reaching the model's outputs was bad already: the
+        loss's backward made it)."""
         r = self.replayed
         if r is not None:
             keys = ("output_absmax", "origin", "consumer", "neg_origin", "batch_nonfinite") \
                 if r.get("reproduced") else ("neg_origin", "output_grad_nonfinite")
             mods = {**mods, **{k: r[k] for k in keys if k in r}}
-        if mods.get("neg_origin", -1) != -1 and mods["origin"] < 0 and not mods["batch_nonfinite"] and loss_bad:
+        hidden = grads_bad and mods.get("output_grad_nonfinite", -1) != 1
+        if mods.get("neg_origin", -1) != -1 and mods["origin"] < 0 and not mods["batch_nonfinite"] \
+                and (loss_bad or hidden):
             mods = {**mods, "origin": max(mods["neg_origin"], -1), "batch_nonfinite": int(mods["neg_origin"] == -2)}
         return mods
 

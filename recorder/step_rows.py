@@ -123,7 +123,7 @@ class StepRows:
         # (a compiled forward's inner modules are not measured even on a watched step: replayed too)
         if (not watched or self.watcher.compiled) and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:
             self.origin.replay(self.captures.blackbox)  # a NaN/Inf no optimizer step saw first: find its module now
-        mods = self.origin.merge(mods, loss_is_bad(loss, loss_value))
+        mods = self.origin.merge(mods, loss_is_bad(loss, loss_value), grads_bad)
         if self._params:  # (model.to() keeps the Parameter objects)
             self.device = self._params[0].device
         rows = {"params": param_row, "modules": {"output_absmax": mods["output_absmax"]}}

@@ -48,6 +48,8 @@ class Evidence(BaseEvidence, total=False):
     median_death_step: int  # the median step they died at (None: none died)
     unit_dim: int  # the dimension of the activation's output that indexes its units
     negative_slope: float  # (LeakyReLU) the slope its negative region's gradient is scaled by
+    call: int  # which call of the activation in its module during a step (0: the first)
+    calls: int  # how many such calls the module makes in a step (a module called twice: 2 sites)
 
 
 KIND = "dead_relu"
@@ -202,12 +204,17 @@ def _finding(rt: RankTrace, row, d: _SiteDeaths, cfg: DeadReluConfig) -> Finding
     }
     if fn == "leaky_relu":
         evidence["negative_slope"] = float(row.param)
+    evidence["call"], evidence["calls"] = int(row.call), _calls(rt, row)
     return Finding(KIND, severity, d.step, [row.module], _summary(rt, row, d, cfg), evidence, _advice(d))
 
 
 def _summary(rt: RankTrace, row, d: _SiteDeaths, cfg: DeadReluConfig) -> str:
     fn = row.function
-    how = "" if _is_module_call(rt, row) else f" (F.{fn} call {row.call} in its forward)"
+    n, call = _calls(rt, row), int(row.call)
+    if _is_activation_module(rt, row):  # (an nn.ReLU: one F.relu a call; several calls, several sites)
+        how = "" if n == 1 else f", its {_ordinal(call + 1)} call of {n} in a step"
+    else:
+        how = f" (F.{fn} in its forward)" if n == 1 else f" (its {_ordinal(call + 1)} F.{fn} call of {n} in a step)"
     state = {"leaky_relu": "never left the negative (leaky) region",
              "gelu": "were pinned at or below zero"}.get(fn, "never activated")
     summary = (f"{d.dead} of {int(row.units)} units ({d.share:.0%}) of the {_LABEL.get(fn, fn)} in "
@@ -233,10 +240,20 @@ def _advice(d: _SiteDeaths) -> str:
     return _ADVICE_DIED if d.died >= d.from_init else _ADVICE_INIT
 
 
-def _is_module_call(rt: RankTrace, row) -> bool:
-    """True if the site is the activation module's own call (nn.ReLU -> F.relu)."""
+def _is_activation_module(rt: RankTrace, row) -> bool:
+    """True if the site is an activation module's own call (nn.ReLU -> F.relu)."""
     mtype = rt.module_types[int(row.module_index)] if 0 <= int(row.module_index) < len(rt.module_types) else ""
-    return mtype in ("ReLU", "ReLU6", "LeakyReLU", "GELU", "Hardtanh") and int(row.call) == 0
+    return mtype in ("ReLU", "ReLU6", "LeakyReLU", "GELU", "Hardtanh")
+
+
+def _calls(rt: RankTrace, row) -> int:
+    """How many sites of this function the module has: its calls in a step."""
+    sites = rt.activity_sites
+    return max(1, int(((sites["module_index"] == row.module_index) & (sites["function"] == row.function)).sum()))
+
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
 
 def _no_data(rt: RankTrace) -> Finding:

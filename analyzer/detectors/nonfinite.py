@@ -260,6 +260,11 @@ def _replay_said(rt: RankTrace, step: int) -> str:
 def _forward_birth(rt: RankTrace, m: _FirstBadStep) -> str:
     name = rt.module_names[m.origin] or "(the model's own forward)"
     mtype = rt.module_types[m.origin]
+    if not _chained(rt, m) and not m.loss_bad and m.grad_bad.any():
+        # (a -Inf that the layers after it hid in the forward: a GRU's saturated gates)
+        return (f"{name} ({mtype}) made -Inf/Inf from finite inputs at step {m.step} (a log or a division of 0?); "
+                f"the layers after it kept the forward and the loss finite, and the backward made NaN/Inf of it "
+                f"({len(np.flatnonzero(m.grad_bad))} parameter(s) with NaN/Inf gradients)")
     if not _chained(rt, m):
         return (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {m.step}: its "
                 f"output was non-finite while its inputs were finite")

@@ -67,7 +67,7 @@ def test_dead_from_the_start_with_functional_relu(tmp_path):
             and f.evidence["dead_share"] == 1.0]
     assert f.severity == "error" and f.where == [""]  # F.relu in the model's own forward
     assert f.evidence["dead_since_start"] == 32 and f.evidence["died_during_training"] == 0
-    assert f.step == 0 and "F.relu call 0" in f.summary
+    assert f.step == 0 and "(its first F.relu call of 2 in a step)" in f.summary
 
 
 def test_leaky_relu_units_stuck_negative_note_the_slope(tmp_path):
