@@ -6,8 +6,10 @@ start finds nothing. What defines the pathology is how the signal changes throug
 - Backward: each layer of a network in the chaotic regime (Poole et al. 2016, Schoenholz et al.
   2017), or a recurrent layer whose weights have a spectral radius above 1 (Pascanu et al. 2013),
   multiplies the gradient by a factor > 1 on its way to the input. The weight gradients' RMS of
-  the first third of the layers is orders of magnitude above the last third's (the mirror of the
-  vanishing detector).
+  the first third of the layers of one kind is orders of magnitude above the last third's (the
+  mirror of the vanishing detector), and the run does not train (its loss falls less than
+  `trained_drop` x): healthy BatchNorm and LayerScale networks (MobileNetV2's depthwise stack,
+  ConvNeXt) show such depth profiles while their loss falls 100x.
 - Forward: weights drawn too large (std above He's sqrt(2/fan_in), He et al. 2015) multiply the
   activations by a gain > 1 per layer; the gradient of every layer then scales with that product
   while the ratio between layers stays ~1. Seen as the outputs of successive weighted layers
@@ -54,33 +56,39 @@ def detect_at_init(rt: RankTrace, cfg: ExplodingGradientsConfig, advice: str, ki
     layers = weighted_layers(rt)
     if sum(len(js) for _, js in layers) < 3:
         return []
-    found = _backward(rt, cfg, layers, advice, kind)
-    return found or _forward(rt, cfg, layers, advice, kind)
+    found = _backward(rt, cfg, layers, advice, kind) or _forward(rt, cfg, layers, advice, kind)
+    return found or _sensitivity(rt, cfg, advice, kind)
 
 
 def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
-    """Early layers' weight-gradient RMS >= depth_ratio x the late layers', over the first steps."""
-    cols = [j for _, js in layers for j in js]
+    """Early layers' weight-gradient RMS >= depth_ratio x the late layers' of their kind, over the
+    first steps, in a run that did not train anyway (its loss fell less than trained_drop x)."""
     n = min(cfg.depth_steps, rt.n_steps)
-    if n < 1:
+    if n < 1 or _trained(rt, cfg):
         return []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        g = rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64)[:, cols]
-        rms = grad_rms(g, rt.param_numel[cols].astype(np.float64))
-        rms[rms <= 0] = np.nan
-        ok = ~np.isnan(rms).all(axis=1)
-        if ok.sum() < n:
-            return []  # a first step without gradients (or with NaNs) cannot be judged here
-        med = np.nanmedian(rms[ok], axis=0)
-    third = max(1, len(cols) // 3)
-    early, late = med[:third], med[len(cols) - third:]
-    late_med = float(np.nanmedian(late))
-    if not (np.isfinite(late_med) and late_med > 0) or np.isnan(early).all():
+    found = None  # (ratio, cols, early, late, late median) of the kind of layer that grows most
+    for cols in _comparable(rt, layers):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            g = rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64)[:, cols]
+            rms = grad_rms(g, rt.param_numel[cols].astype(np.float64))
+            rms[rms <= 0] = np.nan
+            ok = ~np.isnan(rms).all(axis=1)
+            if ok.sum() < n:
+                return []  # a first step without gradients (or with NaNs) cannot be judged here
+            med = np.nanmedian(rms[ok], axis=0)
+        third = max(1, len(cols) // 3)
+        early, late = med[:third], med[len(cols) - third:]
+        late_med = float(np.nanmedian(late))
+        if not (np.isfinite(late_med) and late_med > 0) or np.isnan(early).all():
+            continue
+        ratio = float(np.nanmax(early)) / late_med
+        if ratio >= cfg.depth_ratio and (found is None or ratio > found[0]):
+            found = (ratio, cols, early, late, late_med)
+    if found is None:
         return []
-    ratio = float(np.nanmax(early)) / late_med
-    if ratio < cfg.depth_ratio:
-        return []
+    ratio, cols, early, late, late_med = found
+    third = len(early)
     names = [rt.param_names[j] for j in cols]
     order = [k for k in np.argsort(-np.nan_to_num(early, nan=-1.0)) if early[k] >= cfg.depth_ratio * late_med]
     where = [names[k] for k in order[:3]]
@@ -98,6 +106,84 @@ def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
                f"multiplies the gradient on its way back, as in a network initialised in the chaotic "
                f"regime or a recurrent layer whose weights have a spectral radius above 1.")
     return [Finding(kind, "warning", span[0], where, summary, evidence, advice)]
+
+
+def _sensitivity(rt, cfg, advice, kind) -> list[Finding]:
+    """The gradient too large for the loss it comes from, with nothing to compare it to (a
+    recurrent layer exploding through time inside one module, every layer alike): over the first
+    steps, ||g|| x ||w|| / |loss| >= loss_sensitivity. That is the relative change of the loss for
+    a relative change of the weights along the gradient: at 1,000, moving the weights by 0.1%
+    changes the loss by 100%, and no step size makes steady progress (Pascanu et al. 2013: the
+    gradient's norm grows far more than the loss; LARS, You et al. 2017, scales each step by
+    ||w|| / ||g|| for the same reason). Healthy runs of every family here stay under ~300."""
+    n = min(cfg.depth_steps, rt.n_steps)
+    if n < 1 or rt.n_samples("activations") == 0 and not len(rt.param_names):
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loss = rt.columns["loss"].to_numpy(dtype=np.float64)[:n]
+        g = rt.total_grad_norm.to_numpy(dtype=np.float64)[:n]
+        w = rt.param_stat("param_norm", rows=[0]).to_numpy(dtype=np.float64)[0]
+    if not (w >= 0).all() or not np.isfinite(w).all():
+        return []  # the first step's weights not measured (not watched), or already non-finite
+    weights = float(np.sqrt(np.sum(w ** 2)))
+    ok = np.isfinite(loss) & (loss != 0) & np.isfinite(g)
+    if ok.sum() < n or weights <= 0:
+        return []
+    q = float(np.median(g[ok] * weights / np.abs(loss[ok])))
+    if q < cfg.loss_sensitivity:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        norms = np.nanmedian(rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64), axis=0)
+    order = [int(j) for j in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:3]]
+    where = [rt.param_names[j] for j in order]
+    span = [int(rt.step_index[0]), int(rt.step_index[n - 1])]
+    evidence = {"steps": span, "loss_sensitivity": q, "threshold_sensitivity": cfg.loss_sensitivity,
+                "grad_norms": {rt.param_names[j]: float(norms[j]) for j in order},
+                "total_grad_norm": float(np.median(g[ok])), "weight_norm": weights,
+                "loss": float(np.median(loss[ok]))}
+    summary = (f"Gradients far too large for the loss from the first step: the gradient norm {np.median(g[ok]):.3g} "
+               f"times the weights' norm {weights:.3g} is {q:.3g}x the loss {np.median(loss[ok]):.3g} (steps "
+               f"{span[0]}-{span[1]}): a 0.1% change of the weights would change the loss {q / 10:.3g}%. Largest in "
+               f"{', '.join(where)}; with no layer to compare against, as in a recurrent layer whose weights "
+               f"have a spectral radius above 1 exploding through time.")
+    return [Finding(kind, "warning", span[0], where, summary, evidence, advice)]
+
+
+def _comparable(rt: RankTrace, layers: list[tuple[str, list[int]]]) -> list[list[int]]:
+    """The weight columns in depth order, grouped by kind of layer: its module type, and for a
+    convolution whether it is depthwise, pointwise (1x1) or spatial. Their gradients' scales
+    differ by design (a depthwise kernel against a pointwise one; LayerScale's 1e-6 gain damps the
+    layers inside a ConvNeXt block and not its stem or downsampling convolutions), so a kind is
+    compared with itself, when it has 3 layers or more; a model with none such (a recurrent
+    layer and its head) is judged over all its weighted layers."""
+    types = dict(zip(rt.module_names, rt.module_types))
+    groups: dict[str, list[int]] = {}
+    for module, js in layers:
+        for j in js:
+            shape = rt.param_shapes[j]
+            conv = "" if len(shape) < 3 else "depthwise" if shape[1] == 1 else \
+                "pointwise" if int(np.prod(shape[2:])) == 1 else "spatial"
+            groups.setdefault(f"{types.get(module, '')}:{conv}", []).append(j)
+    for key in [k for k in groups if k.endswith(":depthwise") and len(groups[k]) < 3]:
+        # (one input channel: a grayscale stem, not a depthwise stack)
+        spatial = groups.setdefault(key.replace(":depthwise", ":spatial"), [])
+        spatial[:] = sorted(spatial + groups.pop(key))
+    kinds = [cols for cols in groups.values() if len(cols) >= 3]
+    return kinds or [[j for _, js in layers for j in js]]
+
+
+def _trained(rt: RankTrace, cfg) -> bool:
+    """The loss fell trained_drop x or more from its first steps to the run's last tenth: the
+    network trains, which a network in the chaotic regime does not (Schoenholz et al. 2017:
+    past the edge of chaos, depth makes it untrainable)."""
+    loss = rt.columns["loss"].to_numpy(dtype=np.float64)
+    loss = loss[np.isfinite(loss)]
+    if len(loss) < 2 * cfg.depth_steps:
+        return False
+    start, end = float(np.median(loss[:cfg.depth_steps])), float(np.median(loss[-max(cfg.depth_steps, len(loss) // 10):]))
+    return start > 0 and end >= 0 and end * cfg.trained_drop <= start
 
 
 def _forward(rt, cfg, layers, advice, kind) -> list[Finding]:

@@ -11,6 +11,9 @@ the steps on which the model's optimizer stepped (steps/optimizer_steps > 0), a 
 - ``detached`` (warning): the same, but its module ran: its output reaches the loss only
   through ``.detach()``, ``.data``, ``torch.no_grad()`` or a NumPy round trip, or not at all
   (an auxiliary output whose loss was never added).
+- ``not_used`` (info): the same, but the module's other parameters get gradients: its output
+  reaches the loss, the forward does not use this one (a ViT's or DINOv2's mask_token, used only
+  for masked inputs; a branch not taken).
 - ``zero_gradient`` (warning): given a gradient on every step, exactly 0 every time (a mask or a
   factor that is always 0, every unit after it dead).
 - ``frozen_in_optimizer``: handed to an optimizer with ``requires_grad=False``, never given a
@@ -47,14 +50,14 @@ class ParamsNotLearningConfig:
 
 
 class Evidence(BaseEvidence, total=False):
-    cause: str  # not_in_optimizer | unused | detached | zero_gradient | frozen_in_optimizer
+    cause: str  # not_in_optimizer | unused | detached | not_used | zero_gradient | frozen_in_optimizer
     params: list  # every parameter of the cause (where: the first few)
     n_params: int  # how many
     n_elements: int  # their elements
     optimizer_steps: int  # steps on which the model's optimizer stepped
     steps_with_gradient: int  # not_in_optimizer: steps on which they had a gradient
     weight_norm_moved: bool  # not_in_optimizer: whether their norms changed on the measured steps (no)
-    module_ran: bool  # unused/detached: whether their modules ran on a watched step
+    module_ran: bool  # unused/detached/not_used: whether their modules ran on a watched step
     trained_params: int  # frozen_in_optimizer: the optimizers' parameters that were not frozen
     first_trained_before: str  # frozen_in_optimizer: a trained parameter the frozen ones come after
 
@@ -73,13 +76,17 @@ ADVICE = {
     "detached": "These modules run, but no gradient comes back to them: look in the forward for .detach(), .data, "
                 "torch.no_grad(), .item() or .numpy() on their outputs, or an output whose loss term was never "
                 "added to the loss.",
+    "not_used": "Their modules run and learn, but the forward never uses these parameters on the steps recorded: "
+                "if they belong to a branch this training never takes (a mask token, a second head), nothing is "
+                "wrong; otherwise check the condition that skips them.",
     "zero_gradient": "Their gradient is exactly 0 on every step: look for a mask or factor that is always 0 after "
                      "them, or units after them that never activate (dead ReLUs).",
     "frozen_in_optimizer": "These have requires_grad=False and never change. If that was meant (a frozen backbone), "
                            "pass only the trained ones to the optimizer: [p for p in model.parameters() if "
                            "p.requires_grad]. If not, check the pattern that froze them.",
 }
-SEVERITY = {"not_in_optimizer": "error", "unused": "warning", "detached": "warning", "zero_gradient": "warning"}
+SEVERITY = {"not_in_optimizer": "error", "unused": "warning", "detached": "warning", "not_used": "info",
+            "zero_gradient": "warning"}
 
 
 def detect(rt: RankTrace, cfg: ParamsNotLearningConfig) -> list[Finding]:
@@ -110,7 +117,14 @@ def detect(rt: RankTrace, cfg: ParamsNotLearningConfig) -> list[Finding]:
         index = {name: i for i, name in enumerate(rt.module_names)}
         ran_p = [ran.get(index.get(name.rpartition(".")[0])) for name in rt.param_names]  # (None: not known)
         groups["unused"] = lost & np.array([r is False for r in ran_p])
-        groups["detached"] = lost & np.array([r is True for r in ran_p])
+        detached = lost & np.array([r is True for r in ran_p])
+        # A parameter whose module's other parameters learn: the module's output reaches the loss,
+        # the forward did not use this one (a branch not taken: a ViT's mask_token, used only
+        # for masked inputs). Its own cause, an info: most such are meant.
+        owner = [name.rpartition(".")[0] for name in rt.param_names]
+        learning = {owner[i] for i in np.flatnonzero(with_grad > 0)}
+        groups["not_used"] = detached & np.array([o in learning for o in owner])
+        groups["detached"] = detached & ~groups["not_used"]
     groups["zero_gradient"] = (with_grad >= n_opt) & (zero == with_grad)
     first = int(rt.step_index[np.flatnonzero(stepped)[0]])  # the first step they could have learned at
     findings = [_finding(rt, cause, np.flatnonzero(mask), n_opt, with_grad, first)
@@ -127,12 +141,14 @@ def _finding(rt, cause: str, idx: np.ndarray, n_opt: int, with_grad: np.ndarray,
     what = {"not_in_optimizer": "are in no optimizer: they get gradients and never change",
             "unused": "never get a gradient: their modules never run in forward",
             "detached": "never get a gradient, though their modules run: their outputs do not reach the loss",
+            "not_used": "never get a gradient while the other parameters of their modules do: the forward does "
+                        "not use them (a branch not taken, such as a mask token for masked inputs)",
             "zero_gradient": "get a gradient of exactly 0 on every step"}[cause]
     if cause == "not_in_optimizer":
         ev["steps_with_gradient"] = int(with_grad[idx].max())
         ev["weight_norm_moved"] = False
-    if cause in ("unused", "detached"):
-        ev["module_ran"] = cause == "detached"
+    if cause in ("unused", "detached", "not_used"):
+        ev["module_ran"] = cause != "unused"
     summary = f"{_count(names)} {what} ({n_opt:,} optimizer steps): {listed(names, 4)}."
     return Finding(KIND, SEVERITY[cause], first, names[:8], summary, ev, ADVICE[cause])
 

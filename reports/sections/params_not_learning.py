@@ -14,7 +14,8 @@ from ._text import names, text
 
 KIND = "params_not_learning"
 CAUSES = {"not_in_optimizer": "are in no optimizer", "unused": "are never used in forward",
-          "detached": "get no gradient (detached)", "zero_gradient": "get a zero gradient",
+          "detached": "get no gradient (detached)", "not_used": "are not used by the forward",
+          "zero_gradient": "get a zero gradient",
           "frozen_in_optimizer": "are frozen"}
 OTHERS = 6  # trained parameters drawn beside the named ones
 

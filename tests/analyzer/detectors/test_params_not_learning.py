@@ -168,3 +168,17 @@ def test_bert_whose_classifier_was_replaced_after_the_optimizer_was_made(tmp_pat
     assert (f.severity, f.evidence["cause"], f.where) == ("error", "not_in_optimizer",
                                                           ["classifier.weight", "classifier.bias"])
     assert f.step == 0 and "BertForSequenceClassification.forward" in f.evidence["code"]["classifier.weight"]
+
+
+def test_a_parameter_the_forward_does_not_use_while_its_module_learns_is_info(tmp_path):
+    """transformers' DINOv2 fine-tuned as a classifier: its embeddings' mask_token serves masked
+    inputs only and never gets a gradient while cls_token and position_embeddings (the same
+    module's) learn: a branch not taken, an info (it was a warning on every healthy run)."""
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    torch.manual_seed(0)
+    model = Dinov2ForImageClassification(Dinov2Config(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
+                                                      num_attention_heads=2, intermediate_size=32, num_labels=4))
+    train(model, tmp_path / "run", STEPS, batch, lambda out, y: F.cross_entropy(out.logits, y))
+    (f,) = [f for f in analyze(load(tmp_path / "run")) if f.kind == "params_not_learning"]
+    assert (f.severity, f.evidence["cause"], f.where) == ("info", "not_used", ["dinov2.embeddings.mask_token"])
