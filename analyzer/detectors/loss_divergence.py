@@ -16,7 +16,10 @@ Verdicts:
     best and above where it started (worse than the untrained model);
   - it came back down before the end: nothing (a spike the run recovered from is not a
     divergence); a loss that jumps straight from normal values to NaN/Inf is a numerical fault,
-    which the ``nonfinite`` detector reports with its birthplace.
+    which the ``nonfinite`` detector reports with its birthplace;
+  - a blow-up in the first two windows, which the rule above takes for the run's start: a 5-step
+    median of the loss at `rise_ratio` x the first step's loss (the model before any update)
+    and above the noise: warning, recovered or not (a learning rate too high from the start).
 The step named is the first step, within the window that crossed, whose own loss was up and
 from which most losses up to the crossing were.
 
@@ -83,6 +86,8 @@ class Evidence(LrEvidence, total=False):
     threshold_rise_ratio: float  # rise over the best that counts (rise_ratio of the config)
     threshold_progress_lost: float  # share of the progress undone that counts (min_progress_lost)
     steps: int  # no loss was given (no_loss): how many steps the trace holds
+    early_peak_smoothed_loss: float  # a blow-up in the first steps: the highest EARLY-step median
+    early_peak_step: int  # ... its step
 
 
 KIND = "loss_divergence"
@@ -147,7 +152,7 @@ def detect(rt: RankTrace, cfg: LossDivergenceConfig) -> list[Finding]:
     bad = np.flatnonzero(nonfinite)
     end = int(bad[0]) if bad.size else len(loss)
     if end < w + 1:
-        return []
+        return []  # (too short to judge, even a blow-up in its first steps)
     tm = trailing_median(loss[:end], w)
     tm[: w - 1] = np.nan  # warm-up: only full windows
     judged = np.flatnonzero(~np.isnan(tm))
@@ -171,13 +176,56 @@ def detect(rt: RankTrace, cfg: LossDivergenceConfig) -> list[Finding]:
             cross = regions[-1][0] if reaches_end else end - 1
             return [_finding(rt, cfg, "error", cross, loss, tm, ref, end)]
     if not reaches_end:
-        return []  # never up, or came back down: not a divergence
+        early = _early_rise(rt, cfg, loss[:end], tm, noise)
+        return [early] if early is not None else []  # never up, or came back down: not a divergence
     final = tm[end - 1]
     best = ref.best[end - 1]
     worse = final >= cfg.error_ratio * best > 0 and final > ref.start
     return [_finding(rt, cfg, "error" if worse else "warning", regions[-1][0], loss, tm, ref, None)]
 
 
+def _early_rise(rt, cfg, loss: np.ndarray, tm: np.ndarray, noise: float) -> Finding | None:
+    """A blow-up inside the first window, which the rule above takes for the run's start: within
+    the first 2 windows, the EARLY-step trailing median of the loss at rise_ratio x the first
+    step's loss (the model before any update) or more, and min_rise_in_noise x the noise above
+    it. Reported whether or not the loss came back down: a learning rate too high from the start
+    (nanoGPT at lr 10: 6.9 -> 1,033 -> 14.6 within 20 steps)."""
+    first = float(loss[0])
+    n = min(len(loss), 2 * cfg.window)
+    if not (np.isfinite(first) and first > 0) or n < EARLY:
+        return None
+    short = trailing_median(loss[:n], EARLY)
+    short[:EARLY - 1] = np.nan
+    with np.errstate(invalid="ignore"):
+        up = (short >= cfg.rise_ratio * first) & (short - first >= cfg.min_rise_in_noise * noise)
+    if not up.any():
+        return None
+    cross = int(np.flatnonzero(up)[0])
+    raw = np.flatnonzero(loss[:cross + 1] >= cfg.rise_ratio * first)
+    onset = int(raw[0]) if raw.size else cross
+    peak = int(np.nanargmax(np.where(up, short, -np.inf)))
+    steps = rt.step_index
+    final = float(tm[len(loss) - 1]) if np.isfinite(tm[len(loss) - 1]) else float(loss[-1])
+    ev = {"best_smoothed_loss": first, "best_step": int(steps[0]), "loss_at_step": float(loss[onset]),
+          "ratio_to_best": float(loss[onset] / first), "start_smoothed_loss": first, "loss_noise": noise,
+          "last_finite_loss": float(loss[-1]), "last_finite_loss_step": int(steps[len(loss) - 1]),
+          "final_smoothed_loss": final, "first_nonfinite_loss_step": None, "window_steps": EARLY,
+          "early_peak_smoothed_loss": float(short[peak]), "early_peak_step": int(steps[peak]),
+          "threshold_rise_ratio": cfg.rise_ratio, "threshold_progress_lost": cfg.min_progress_lost}
+    after = ("and came back below it" if final < cfg.rise_ratio * first else "and stayed up") + \
+        f": {final:.4g} over the last {cfg.window} steps" + (", worse than at the start" if final > first else "")
+    summary = (f"The loss blew up in its first steps: from {first:.4g} at step {int(steps[0])} to {loss[onset]:.4g} "
+               f"at step {int(steps[onset])}, a {EARLY}-step median of {short[peak]:.4g} ({short[peak] / first:.3g}x) at "
+               f"step {int(steps[peak])}, {after}.")
+    lr_evidence, lr_clause = lr_context(rt, onset)
+    ev.update(lr_evidence)
+    if lr_clause:
+        summary = summary[:-1] + f". The rise began {lr_clause}."
+    return Finding(KIND, "warning", int(steps[onset]), [], summary, ev, ADVICE)
+
+
+# The first steps' blow-up is smoothed over this many steps (a median of 5: one bad batch is not it).
+EARLY = 5
 # 1.4826 x the median absolute deviation estimates the standard deviation of normal noise.
 _NORMAL_MAD = 1.4826
 
