@@ -68,10 +68,21 @@ class Finding:
 STAGES = ("batch", "forward", "loss", "loss_backward", "backward", "optimizer")
 
 
+# Kinds that are the consequences of another problem when both start on the same step: a network
+# that cannot train (gradients exploding or vanishing, updates far too large) shows a loss that
+# never moves, saturated or dead units, collapsed attention. Listed after the cause on that step.
+_SYMPTOMS = ("loss_plateau", "saturation", "attention_collapse", "dead_relu")
+
+
+def _symptom(f: Finding) -> bool:
+    ev = f.evidence if isinstance(f.evidence, dict) else {}
+    return f.kind in _SYMPTOMS or (f.kind == "initial_loss" and ev.get("cause") == "never_moved")
+
+
 def _order(f: Finding):
     stage = f.evidence.get("stage") if isinstance(f.evidence, dict) else None
     stage_i = STAGES.index(stage) if stage in STAGES else len(STAGES)
-    return (f.step is None, f.step or 0, stage_i, f.rank or 0)
+    return (f.step is None, f.step or 0, stage_i, _symptom(f), f.rank or 0)
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:

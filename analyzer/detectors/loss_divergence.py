@@ -18,7 +18,7 @@ Verdicts:
     divergence); a loss that jumps straight from normal values to NaN/Inf is a numerical fault,
     which the ``nonfinite`` detector reports with its birthplace;
   - a blow-up in the first two windows, which the rule above takes for the run's start: a 5-step
-    median of the loss at `rise_ratio` x the first step's loss (the model before any update)
+    median of the loss at 3x the first step's loss (the model before any update)
     and above the noise: warning, recovered or not (a learning rate too high from the start).
 The step named is the first step, within the window that crossed, whose own loss was up and
 from which most losses up to the crossing were.
@@ -186,7 +186,7 @@ def detect(rt: RankTrace, cfg: LossDivergenceConfig) -> list[Finding]:
 
 def _early_rise(rt, cfg, loss: np.ndarray, tm: np.ndarray, noise: float) -> Finding | None:
     """A blow-up inside the first window, which the rule above takes for the run's start: within
-    the first 2 windows, the EARLY-step trailing median of the loss at rise_ratio x the first
+    the first 2 windows, the EARLY-step trailing median of the loss at EARLY_RATIO x the first
     step's loss (the model before any update) or more, and min_rise_in_noise x the noise above
     it. Reported whether or not the loss came back down: a learning rate too high from the start
     (nanoGPT at lr 10: 6.9 -> 1,033 -> 14.6 within 20 steps)."""
@@ -197,11 +197,11 @@ def _early_rise(rt, cfg, loss: np.ndarray, tm: np.ndarray, noise: float) -> Find
     short = trailing_median(loss[:n], EARLY)
     short[:EARLY - 1] = np.nan
     with np.errstate(invalid="ignore"):
-        up = (short >= cfg.rise_ratio * first) & (short - first >= cfg.min_rise_in_noise * noise)
+        up = (short >= EARLY_RATIO * first) & (short - first >= cfg.min_rise_in_noise * noise)
     if not up.any():
         return None
     cross = int(np.flatnonzero(up)[0])
-    raw = np.flatnonzero(loss[:cross + 1] >= cfg.rise_ratio * first)
+    raw = np.flatnonzero(loss[:cross + 1] >= EARLY_RATIO * first)
     onset = int(raw[0]) if raw.size else cross
     peak = int(np.nanargmax(np.where(up, short, -np.inf)))
     steps = rt.step_index
@@ -212,7 +212,7 @@ def _early_rise(rt, cfg, loss: np.ndarray, tm: np.ndarray, noise: float) -> Find
           "final_smoothed_loss": final, "first_nonfinite_loss_step": None, "window_steps": EARLY,
           "early_peak_smoothed_loss": float(short[peak]), "early_peak_step": int(steps[peak]),
           "threshold_rise_ratio": cfg.rise_ratio, "threshold_progress_lost": cfg.min_progress_lost}
-    after = ("and came back below it" if final < cfg.rise_ratio * first else "and stayed up") + \
+    after = ("and came back below it" if final < EARLY_RATIO * first else "and stayed up") + \
         f": {final:.4g} over the last {cfg.window} steps" + (", worse than at the start" if final > first else "")
     summary = (f"The loss blew up in its first steps: from {first:.4g} at step {int(steps[0])} to {loss[onset]:.4g} "
                f"at step {int(steps[onset])}, a {EARLY}-step median of {short[peak]:.4g} ({short[peak] / first:.3g}x) at "
@@ -224,8 +224,12 @@ def _early_rise(rt, cfg, loss: np.ndarray, tm: np.ndarray, noise: float) -> Find
     return Finding(KIND, "warning", int(steps[onset]), [], summary, ev, ADVICE)
 
 
-# The first steps' blow-up is smoothed over this many steps (a median of 5: one bad batch is not it).
-EARLY = 5
+# The first steps' blow-up is smoothed over this many steps (a median of 5: one bad batch is not it),
+# and counts at this many times the first step's loss: a single batch's loss is the reference, and
+# a healthy regression whose batches' losses scatter 40% about their level reached 2.3x (measured;
+# tests/analyzer/test_activity_attention_memory.py's transformer); a learning rate 1000x too high
+# reaches 12-100x.
+EARLY, EARLY_RATIO = 5, 3.0
 # 1.4826 x the median absolute deviation estimates the standard deviation of normal noise.
 _NORMAL_MAD = 1.4826
 
