@@ -82,10 +82,11 @@ class Recorder:
         self.rank, self.world_size = _rank_and_world()
         self.path = os.path.join(self.run_dir, f"rank{self.rank}.h5")
         other = _WRITING.get(os.path.abspath(self.path), lambda: None)()
-        if other is not None and other._active:  # (the second would pass for a restart of the first's rank)
-            raise ValueError(f"another Recorder in this process records rank {self.rank} into {self.run_dir}: "
-                             "give each model its own run directory")
-        _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
+        # (the second would pass for a restart of the first's rank): it warns, as any recorder
+        # error does, and records nothing; the first keeps its file
+        taken = other is not None and other._active
+        if not taken:
+            _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
         self._step = resume.first_step(self)  # start_step=, or a resumed optimizer's count (resume.py)
         self._active = False
         self._closed = False
@@ -125,6 +126,9 @@ class Recorder:
         except Exception:
             self._device = torch.device("cpu")
         try:
+            if taken:
+                raise ValueError(f"another Recorder in this process records rank {self.rank} into {self.run_dir}; "
+                                 "this one records nothing: give each model its own run directory")
             self._open()
         except Exception as e:
             self._fail(e)

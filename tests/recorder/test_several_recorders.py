@@ -195,3 +195,27 @@ def test_a_recorder_failing_inside_the_optimizer_hook_leaves_the_others_and_trai
     assert recorded == train(False)
     assert list(load(root / "b").ranks[0].steps.index) == [0, 1, 2, 3, 4]
     assert list(load(root / "a").ranks[0].steps.index) == [0, 1]
+
+
+def test_a_second_recorder_into_the_same_run_directory_warns_and_records_nothing(tmp_path):
+    """Issue 38 (2): it raised ValueError into the job; every other recorder error warns once and
+    stops recording. The first Recorder keeps its file and every step."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(model, tmp_path) as first, Recorder(other, tmp_path) as second:
+            for _ in range(5):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                first.step(loss=loss)
+                second.step(loss=loss)
+    ours = [str(w.message) for w in caught if "torchautopsy" in str(w.message)]
+    assert len(ours) == 1 and "another Recorder in this process" in ours[0] and "\n" not in ours[0], ours
+    rt = load(tmp_path).ranks[0]
+    assert rt.closed_cleanly and rt.n_steps == 5 and rt.param_names == ["weight", "bias"]
