@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 
 import h5py
 import numpy as np
@@ -50,8 +51,20 @@ def measured_rows(values) -> np.ndarray:
     return ((v >= 0) | ~np.isfinite(v)).any(axis=-1)
 
 
+def _file_kind(mode: int) -> str:
+    return ("directory" if stat.S_ISDIR(mode) else "named pipe (FIFO)" if stat.S_ISFIFO(mode) else
+            "socket" if stat.S_ISSOCK(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
+
+
 def _open(path: str) -> h5py.File:
     """Open a trace read-only, also one whose writer was killed (SWMR-mode file left open)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise TraceFormatError(f"{path} cannot be read ({e.strerror}); copy it again from the job's run directory")
+    if not stat.S_ISREG(mode):  # (a FIFO would block the open forever; a directory, a device)
+        raise TraceFormatError(f"{path} is not a regular file (a {_file_kind(mode)}), so not a trace; "
+                               "copy the rank files of the run directory as files")
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) < 8:

@@ -44,8 +44,8 @@ def trace_files(path: str) -> list[str]:
     if not os.path.exists(path):
         raise TraceNotFoundError(f"{path} does not exist; give the run directory passed to "
                                  "Recorder(model, run_dir)")
-    if os.path.isfile(path):
-        return [path]
+    if not os.path.isdir(path):
+        return [path]  # (one file given: RankTrace refuses what is not a regular file)
     files = [os.path.join(path, n) for n in os.listdir(path) if parse_name(n) is not None]
     if not files:
         started = _died_starting(path)

@@ -69,3 +69,32 @@ def test_wrong_usage(args, needle):
 def test_unwritable_output(tmp_path):
     r = run_cli("analyze", SAMPLES / "healthy_mlp", "--json", tmp_path / "no" / "such" / "dir.json")
     assert_one_line_error(r, "cannot write")
+
+
+@pytest.mark.parametrize("command", ["analyze", "info"])
+@pytest.mark.parametrize("given", ["run", "file"])
+def test_a_fifo_named_like_a_trace_is_refused_at_once(tmp_path, command, given):
+    """Issue 38 (3): opening a named pipe blocks until a writer comes, forever: it is refused
+    before it is opened (the CLI's timeout of 120 s would fail this test otherwise)."""
+    import os
+
+    os.mkfifo(tmp_path / "rank0.h5")
+    r = run_cli(command, tmp_path if given == "run" else tmp_path / "rank0.h5", timeout=60)
+    assert_one_line_error(r, "is not a regular file", "named pipe")
+
+
+def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(tmp_path):
+    """Issue 38 (4): a directory named rank0.attempt2.h5 beside an intact rank0.h5 failed the whole
+    analysis; now it is an unreadable file, and the good rank is analyzed."""
+    import json
+    import os
+
+    shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", tmp_path / "rank0.h5")
+    (tmp_path / "rank0.attempt2.h5").mkdir()
+    os.mkfifo(tmp_path / "rank1.h5")
+    r = run_cli("analyze", tmp_path, "--json", tmp_path / "f.json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    found = json.loads((tmp_path / "f.json").read_text())["findings"]
+    assert [f["step"] for f in found if f["kind"] == "nonfinite"] == [60]
+    unreadable = sorted(f["evidence"]["file"].rsplit("/", 1)[-1] for f in found if f["kind"] == "unreadable_rank")
+    assert unreadable == ["rank0.attempt2.h5", "rank1.h5"]
