@@ -57,7 +57,7 @@ def detect_at_init(rt: RankTrace, cfg: ExplodingGradientsConfig, advice: str, ki
     if sum(len(js) for _, js in layers) < 3:
         return []
     found = _backward(rt, cfg, layers, advice, kind) or _forward(rt, cfg, layers, advice, kind)
-    return found or _sensitivity(rt, cfg, advice, kind)
+    return found or _amplified(rt, cfg, advice, kind)
 
 
 def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
@@ -108,47 +108,48 @@ def _backward(rt, cfg, layers, advice, kind) -> list[Finding]:
     return [Finding(kind, "warning", span[0], where, summary, evidence, advice)]
 
 
-def _sensitivity(rt, cfg, advice, kind) -> list[Finding]:
-    """The gradient too large for the loss it comes from, with nothing to compare it to (a
-    recurrent layer exploding through time inside one module, every layer alike): over the first
-    steps, ||g|| x ||w|| / |loss| >= loss_sensitivity. That is the relative change of the loss for
-    a relative change of the weights along the gradient: at 1,000, moving the weights by 0.1%
-    changes the loss by 100%, and no step size makes steady progress (Pascanu et al. 2013: the
-    gradient's norm grows far more than the loss; LARS, You et al. 2017, scales each step by
-    ||w|| / ||g|| for the same reason). Healthy runs of every family here stay under ~300."""
-    n = min(cfg.depth_steps, rt.n_steps)
-    if n < 1 or rt.n_samples("activations") == 0 and not len(rt.param_names):
+def _amplified(rt, cfg, advice, kind) -> list[Finding]:
+    """One layer that multiplies the signal by itself, with nothing to compare it to (a recurrent
+    layer exploding through time inside one module, every weight's gradient alike): on the first
+    watched step, a leaf module's output RMS is `amplification` x the largest RMS before it in the
+    forward (the batch's included). A layer initialised as He et al. 2015 prescribe keeps its
+    input's scale; a recurrent one of spectral radius above 1 multiplies it by that radius per
+    time step (Pascanu et al. 2013). Not judged: the root, the last weighted layer (a regression
+    head scales to its targets), normalisation layers (they reset the scale by design)."""
+    if rt.n_samples("activations") == 0:
         return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        loss = rt.columns["loss"].to_numpy(dtype=np.float64)[:n]
-        g = rt.total_grad_norm.to_numpy(dtype=np.float64)[:n]
-        w = rt.param_stat("param_norm", rows=[0]).to_numpy(dtype=np.float64)[0]
-    if not (w >= 0).all() or not np.isfinite(w).all():
-        return []  # the first step's weights not measured (not watched), or already non-finite
-    weights = float(np.sqrt(np.sum(w ** 2)))
-    ok = np.isfinite(loss) & (loss != 0) & np.isfinite(g)
-    if ok.sum() < n or weights <= 0:
+        mean = rt.activation_stat("mean", rows=[0])
+        std = rt.activation_stat("std", rows=[0])
+        rms = np.hypot(mean.to_numpy(dtype=np.float64)[0], std.to_numpy(dtype=np.float64)[0])
+        prior = float(np.hypot(rt.columns["input_mean"].to_numpy()[0], rt.columns["input_std"].to_numpy()[0]))
+    step = int(mean.index[0])
+    prior = prior if np.isfinite(prior) and prior > 0 else 0.0
+    owners = {name.rpartition(".")[0] for name in rt.param_names}
+    leaves = [k for k, leaf in enumerate(rt.module_is_leaf) if leaf and k > 0]
+    weighted = [k for k in leaves if rt.module_names[k] in owners]
+    last = weighted[-1] if weighted else -1
+    found = None  # (growth, module index, its input scale)
+    for k in leaves:
+        r = float(rms[k])
+        if not np.isfinite(r) or r < 0:
+            continue  # not called on the step, or already non-finite (nonfinite reports it)
+        if k != last and prior > 0 and "Norm" not in rt.module_types[k] and r >= cfg.amplification * prior \
+                and (found is None or r / prior > found[0]):
+            found = (r / prior, k, prior)
+        prior = max(prior, r)
+    if found is None:
         return []
-    q = float(np.median(g[ok] * weights / np.abs(loss[ok])))
-    if q < cfg.loss_sensitivity:
-        return []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        norms = np.nanmedian(rt.param_stat("grad_norm", rows=np.arange(n)).to_numpy(dtype=np.float64), axis=0)
-    order = [int(j) for j in np.argsort(-np.nan_to_num(norms, nan=-1.0))[:3]]
-    where = [rt.param_names[j] for j in order]
-    span = [int(rt.step_index[0]), int(rt.step_index[n - 1])]
-    evidence = {"steps": span, "loss_sensitivity": q, "threshold_sensitivity": cfg.loss_sensitivity,
-                "grad_norms": {rt.param_names[j]: float(norms[j]) for j in order},
-                "total_grad_norm": float(np.median(g[ok])), "weight_norm": weights,
-                "loss": float(np.median(loss[ok]))}
-    summary = (f"Gradients far too large for the loss from the first step: the gradient norm {np.median(g[ok]):.3g} "
-               f"times the weights' norm {weights:.3g} is {q:.3g}x the loss {np.median(loss[ok]):.3g} (steps "
-               f"{span[0]}-{span[1]}): a 0.1% change of the weights would change the loss {q / 10:.3g}%. Largest in "
-               f"{', '.join(where)}; with no layer to compare against, as in a recurrent layer whose weights "
-               f"have a spectral radius above 1 exploding through time.")
-    return [Finding(kind, "warning", span[0], where, summary, evidence, advice)]
+    growth, k, before = found
+    name = rt.module_names[k]
+    evidence = {"step": step, "amplification": growth, "threshold_amplification": cfg.amplification,
+                "output_rms": {name: float(rms[k])}, "input_rms": before}
+    summary = (f"{name} ({rt.module_types[k]}) amplifies the signal by itself from the first watched step (step "
+               f"{step}): its output's RMS {rms[k]:.3g} is {growth:.3g}x the largest before it in the forward "
+               f"({before:.3g}, the batch's included); as in a recurrent layer whose weights have a spectral "
+               f"radius above 1, exploding through time, with no other layer to compare it to.")
+    return [Finding(kind, "warning", step, [name], summary, evidence, advice)]
 
 
 def _comparable(rt: RankTrace, layers: list[tuple[str, list[int]]]) -> list[list[int]]:

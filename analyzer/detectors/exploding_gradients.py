@@ -58,11 +58,11 @@ class ExplodingGradientsConfig:
     # last tenth (measured: 0.73-1.0x in the corpus's chaotic and recurrent explosions from init,
     # 0.01-0.03x in healthy MobileNetV2, ConvNeXt and ResNets whose depth profiles reach 200x).
     trained_drop: float = 3.0
-    # With no layer to compare: ||g|| x ||w|| / |loss| over the first depth_steps (the loss's
-    # relative change per relative change of the weights; _exploding_at_init._sensitivity). The
-    # corpus's healthy runs (23 of them, 10 families) and 5 transformers vision models: at most
-    # 310; explosions from init: 1.4e3 to 2e11 (measured).
-    loss_sensitivity: float = 1000.0
+    # With no layer to compare: one leaf module's output this many times the largest scale before
+    # it in the forward, on the first watched step (_exploding_at_init._amplified). Healthy runs:
+    # at most 48x (a LayerNorm after a small embedding, not judged) and under 3x elsewhere, in the
+    # corpus and 5 transformers vision models; a ReLU RNN of spectral radius 3: 3.4e6x (measured).
+    amplification: float = 1000.0
     # Forward: on the first watched step, `chain_layers` or more successive weighted layers'
     # outputs each at least `layer_gain` x the one before, `activation_growth` x in all (He et
     # al. 2015: a gain g per layer multiplies the signal by g^depth). Healthy corpus runs: <4x.
@@ -95,14 +95,11 @@ class Evidence(LrEvidence, total=False):
     activation_growth: float  # how many times the chain's last layer's output RMS is its first one's
     threshold_growth: float  # the activation_growth that counts (activation_growth of the config)
     gain_per_layer: float  # the chain's growth per layer (geometric mean)
-    output_rms: dict  # {layer: its output RMS} along the chain
-    # With nothing to compare to (_exploding_at_init._sensitivity):
-    loss_sensitivity: float  # ||g|| x ||w|| / |loss| over the first steps (median)
-    threshold_sensitivity: float  # the loss_sensitivity that counts (of the config)
-    grad_norms: dict  # {parameter: its gradient norm}, the three largest
-    total_grad_norm: float  # the gradient norm of all parameters (median over those steps)
-    weight_norm: float  # the norm of all weights on the first step
-    loss: float  # the loss (median over those steps)
+    output_rms: dict  # {layer: its output RMS} along the chain (amplified: of the amplifying layer)
+    # With nothing to compare to (_exploding_at_init._amplified):
+    amplification: float  # how many times its output RMS is the largest RMS before it (batch included)
+    threshold_amplification: float  # the amplification that counts (of the config)
+    input_rms: float  # that largest RMS before it
     # No gradient was recorded (_missing.py):
     parameters: int  # how many parameters the trace names
 

@@ -26,7 +26,7 @@ three below it, and were checked against the sample traces (see UpdateRatioConfi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -128,12 +128,19 @@ def detect(rt: RankTrace, cfg: UpdateRatioConfig) -> list[Finding]:
     findings = []
     context = {"weights_judged": j.judged, "skipped_zero_initialised": j.zero_init[:20],
                "min_ndim": cfg.min_ndim, "usual_ratio": 1e-3}
-    if j.first_large:  # (before, and apart from, a later stretch of large updates)
+    if j.large:
+        f = _finding(rt, j.large, "too_large", cfg.too_large, context, "Updates are too large", ADVICE_LARGE,
+                     reverse=True)
+        if j.first_large and min(h["onset_step"] for h in j.first_large.values()) < f.step:
+            # too large from the run's first update on, though the judged window dates it later
+            first = min(h["onset_step"] for h in j.first_large.values())
+            worst = max(h["median"] for h in j.first_large.values())
+            f = replace(f, step=first, summary=f.summary[:-1] + f"; the run's first update (step {first}) was "
+                                                                f"already {worst:.3g}x the weights.")
+        findings.append(f)
+    elif j.first_large:  # (too large at first only: the judged window leaves early samples out)
         findings.append(_finding(rt, j.first_large, "first_too_large", cfg.first_too_large, context,
                                  "The first update was larger than the weights", ADVICE_LARGE, reverse=True))
-    if j.large and not j.first_large:
-        findings.append(_finding(rt, j.large, "too_large", cfg.too_large, context,
-                                 "Updates are too large", ADVICE_LARGE, reverse=True))
     if j.small:
         findings.append(_finding(rt, j.small, "too_small", cfg.too_small, context,
                                  "Weights barely move", ADVICE_SMALL, reverse=False))

@@ -3,8 +3,9 @@
 A ReLU RNN whose recurrent weights have a spectral radius of 3 explodes through time inside one
 module from step 0: a regression loss of 1e13 and gradient norms of 1e16, every layer alike, Adam
 keeping it finite. The across-depth and the in-run rules compare layers, or the run with its own
-start, and reported "No problem found". Judged now by the gradient against the loss it comes
-from: ||g|| x ||w|| / |loss|. Its healthy twin (radius 1) stays quiet."""
+start, and reported "No problem found". Judged now by the one layer that multiplies the signal by
+itself: its output 1000x the largest scale before it in the forward. Its healthy twin (radius 1)
+stays quiet."""
 
 from __future__ import annotations
 
@@ -49,17 +50,20 @@ def _exploding(tmp_path, radius: float) -> list:
 def test_a_recurrent_layer_exploding_through_time_is_found_from_step_0(tmp_path):
     (f,) = _exploding(tmp_path, 3.0)
     assert (f.severity, f.step) == ("warning", 0)
-    assert f.where[0].startswith("rnn.") and f.evidence["loss_sensitivity"] >= 1e3
+    assert f.where == ["rnn"] and f.evidence["amplification"] >= 1e3
     assert _exploding(tmp_path / "twin", 1.0) == []
 
 
-def test_the_sensitivity_rule_on_written_traces(tmp_path):
-    def run(path, grad):
-        b = TraceBuilder.mlp(steps=30).loss(40.0).total_grad_norm(grad)
-        b.set("params/param_norm", 4.0, at=[0])  # (3 layers x weight and bias: a weight norm of ~9.8)
+def test_the_amplification_rule_on_written_traces(tmp_path):
+    def run(path, rnn_rms):
+        b = TraceBuilder.mlp(layers=3, steps=30).loss(40.0).total_grad_norm(1.0)
+        b.set("steps/input_mean", 0.0).set("steps/input_std", 1.0)
+        # modules: "", "0" (Linear), "1" (ReLU), "2" (Linear), "3" (ReLU), "4" (Linear, the head)
+        b.activations([0], mean={m: 0.0 for m in ("0", "1", "2", "3", "4")},
+                      std={"0": 1.0, "1": 0.6, "2": rnn_rms, "3": rnn_rms, "4": 1.0})
         b.write(path)
-        return [f for f in findings(path, "exploding_gradients")]
+        return findings(path, "exploding_gradients")
 
-    (f,) = run(tmp_path / "hot", 1e4)  # 1e4 x 9.8 / 40 = 2,450
-    assert f.step == 0 and 2e3 < f.evidence["loss_sensitivity"] < 3e3
-    assert run(tmp_path / "ok", 100.0) == []  # 25: healthy
+    (f,) = run(tmp_path / "hot", 5e3)  # module "2" makes 5,000x what came before it
+    assert (f.step, f.where) == (0, ["2"]) and 4e3 < f.evidence["amplification"] < 6e3
+    assert run(tmp_path / "ok", 20.0) == []
