@@ -2,13 +2,16 @@
 
 A trace is untrusted: a module name or model class may be 100,000 characters long. Every output
 (the CLI's lines, the HTML, the PDF, the Markdown) shows such strings through these functions;
-the JSON findings keep names exactly as the trace spells them. Plain text in, plain text out:
-each renderer still escapes the result for its own format.
+the JSON findings keep names exactly as the trace spells them. Plain text in, plain text out
+(control characters escaped, lone surrogates replaced: ``printable``): each renderer still
+escapes the result for its own format.
 """
 
 from __future__ import annotations
 
 import re
+
+from .trace.format import clean_text
 
 # A name on a terminal line or in a Markdown cell; the model class, a title.
 NAME_CHARS = 100
@@ -22,10 +25,22 @@ TEXT_CHARS = 2000
 ELLIPSIS = "…"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def printable(text) -> str:
+    """``text`` as every output can carry it: control characters escaped (trace/format.py's
+    clean_text: no terminal escape or title sequence gets through), and lone surrogates (a JSON
+    text's "\\ud800", a run directory named in bytes that are not UTF-8) replaced by U+FFFD, which
+    UTF-8 and a PDF's fonts cannot encode."""
+    text = clean_text(str(text))
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
+
+
 def shorten(text, width: int = NAME_CHARS) -> str:
     """``text`` cut in the middle to ``width`` characters: module paths keep their start and
     their end (``model.layers.31.…mlp.down_proj``), where they differ most."""
-    text = str(text)
+    text = printable(text)
     if len(text) <= width:
         return text
     width = max(width, 3)
@@ -37,7 +52,7 @@ def shorten_words(text, word: int = WORD_CHARS, width: int = TEXT_CHARS) -> str:
     """Running text with every unbroken run longer than ``word`` (a name inside a sentence) cut
     in the middle, then the whole cut to ``width`` (its middle left out where words meet, see
     ``_cut_text``). Line breaks and spaces are kept."""
-    text = str(text)
+    text = printable(text)
     if len(text) > 4 * width:  # no need to scan a huge text whole: its middle is cut anyway
         text = shorten(text, 4 * width)
     text = re.sub(r"\S{%d,}" % (word + 1), lambda m: shorten(m.group(), word), text)

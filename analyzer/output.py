@@ -147,7 +147,7 @@ def write_output(path: str, data: str | bytes | Iterable[bytes], protect: Iterab
     if why:
         raise OutputError(why)
     if isinstance(data, str):
-        data = data.encode("utf-8")
+        data = data.encode("utf-8", "replace")  # (a lone surrogate left anywhere: "?", never a lost report)
     if isinstance(data, (bytes, bytearray, memoryview)):
         data = (data,)
     if _is_stream(path):
@@ -189,7 +189,7 @@ def write_stdout(data: str | bytes) -> int:
     """Write a document to stdout (an output given as ``-``), after whatever was echoed there; return
     the number of bytes. A reader that went away (``| head``) raises BrokenPipeError: the CLI ends quietly."""
     if isinstance(data, str):
-        data = data.encode("utf-8")
+        data = data.encode("utf-8", "replace")
     sys.stdout.flush()
     out = getattr(sys.stdout, "buffer", None)
     if out is None:  # a text-only stream (a test harness)

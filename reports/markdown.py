@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from ..analyzer.display import NAME_CHARS, shorten, shorten_words
+from ..analyzer.display import NAME_CHARS, printable, shorten, shorten_words
 from ..analyzer.export import fired_blackbox
 from ..analyzer.findings import Finding, first_to_go_wrong
 from ..analyzer.restarts import restart_lines
@@ -40,7 +40,7 @@ def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     box = _blackbox_line(trace, first.rank if first is not None else None)
     if box:
         lines += ["", box]
-    command = f"torchautopsy analyze {shlex.quote(trace.run_dir)} --html report.html --pdf report.pdf"
+    command = f"torchautopsy analyze {shlex.quote(printable(trace.run_dir))} --html report.html --pdf report.pdf"
     fence = "`" * max(3, _longest_backtick_run(command) + 1)
     lines += ["", "Full report with evidence and figures (reproduce the analysis):", "", fence, command, fence]
     return "\n".join(lines) + "\n"
@@ -98,7 +98,7 @@ def _blackbox_line(trace: Trace, prefer: int | None) -> str:
     when = "before the bad update" if row["params_at"] == "start_of_step" else "after the step's update"
     # The run's own directory, so that the command pastes as it is (a placeholder if a backtick or a
     # line break would break the code span).
-    run = shlex.quote(trace.run_dir)
+    run = shlex.quote(printable(trace.run_dir))
     if "`" in run or "\n" in run or len(run) > 200:
         run = "RUN_DIR"
     return (f"**Black box:** rank {rt.rank}, step {int(row['step']):,} ({md_text(row['trigger'], 40)}): "

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..analyzer.display import NAME_CHARS, TITLE_CHARS, shorten, shorten_words
+from ..analyzer.display import NAME_CHARS, TITLE_CHARS, printable, shorten, shorten_words
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored, fired_blackbox
 from ..analyzer.cross_rank.merge import rank_set
@@ -59,7 +59,7 @@ def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -
     """The terminal report of ``analyze``: the run, its restarts and unclosed ranks, the verdict,
     a line pair per finding (as the analyzer sorted them), the counts and the black box."""
     wrap = style.wrap
-    yield wrap(f"torchautopsy: {trace.run_dir}: {run_line(trace)}")
+    yield wrap(f"torchautopsy: {printable(trace.run_dir)}: {run_line(trace)}")
     for line in restart_lines(trace):  # a job restarted into the directory (restarts.py)
         yield wrap(f"  {_text(line)}")
     unclosed: dict[int, list[int]] = {}  # steps flushed -> the ranks that did not close their traces
@@ -138,7 +138,7 @@ def blackbox_line(trace: Trace, prefer: int | None = None) -> str:
     rt, row, rank = fired
     when = "before its bad update" if row["params_at"] == "start_of_step" else "after its update"
     return (f"black box: rank {rt.rank} kept step {int(row['step']):,} ({shorten(row['trigger'], NAME_CHARS)}), "
-            f"parameters {when}; take it out with: torchautopsy export {shlex.quote(trace.run_dir)}{rank} --params blackbox "
+            f"parameters {when}; take it out with: torchautopsy export {shlex.quote(printable(trace.run_dir))}{rank} --params blackbox "
             "params.safetensors --tensors blackbox inputs.safetensors")
 
 
@@ -155,7 +155,7 @@ def info_lines(trace: Trace, style: Style = PLAIN) -> Iterator[str]:
 
 
 def _info_lines(trace: Trace) -> Iterator[str]:
-    yield f"run directory  {trace.run_dir}"
+    yield f"run directory  {printable(trace.run_dir)}"
     yield f"size on disk   {human_bytes(trace.size_bytes)} in {trace.n_files} file(s)"
     for rt in trace.ranks.values():
         yield from _rank_lines(trace, rt)

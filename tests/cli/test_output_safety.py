@@ -308,3 +308,47 @@ def test_a_pipe_is_written_in_place(run, tmp_path):
                         "--json", "/dev/stdout"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert '"findings": [' in r.stdout
+
+
+def _all_reports(run_dir, out_dir):
+    """analyze RUN with every report, in a fresh interpreter, the run directory's name as bytes."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom torchautopsy.analyzer.cli import main\n"
+            "main([sys.argv[1]] + [a for a in sys.argv[2:]])\n")
+    outs = [os.path.join(out_dir, f"r.{ext}") for ext in ("json", "html", "pdf", "md")]
+    args = [os.fsencode(run_dir), b"--json", outs[0].encode(), b"--html", outs[1].encode(), b"--pdf",
+            outs[2].encode(), b"--md", outs[3].encode()]
+    r = subprocess.run([sys.executable.encode(), b"-c", code.encode(), b"analyze", *args], capture_output=True,
+                       timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
+    return r, outs
+
+
+def test_every_report_is_written_whatever_the_names_hold(tmp_path):
+    """Issue 38 (5): invalid UTF-8 in an attribute, a lone surrogate in the config's JSON, a run
+    directory named in bytes that are not UTF-8 made analyze exit 2 with only the JSON written;
+    terminal title and colour sequences in a run directory's name reached the terminal raw."""
+    import os
+
+    import h5py
+    import numpy as np
+
+    src = SAMPLES / "nan_birth" / "rank0.h5"
+    runs = {"attr": tmp_path / "attr", "surrogate": tmp_path / "surr", "bytes": os.path.join(os.fsencode(tmp_path), b"run\xff\xfe"),
+            "escapes": tmp_path / "run\x1b]0;pwned\x07\x1b[31mred"}
+    for run in runs.values():
+        os.makedirs(run)
+        shutil.copy(src, os.path.join(os.fsencode(run), b"rank0.h5"))
+    with h5py.File(runs["attr"] / "rank0.h5", "r+") as f:
+        f.attrs["host"] = np.bytes_(b"node\xff\xfe01")
+    with h5py.File(runs["surrogate"] / "rank0.h5", "r+") as f:
+        f.attrs["config"] = f.attrs["config"][:-1] + ', "note": "\\ud800x"}'
+    for name, run in runs.items():
+        out = tmp_path / f"out_{name}"
+        out.mkdir()
+        r, outs = _all_reports(run, out)
+        assert r.returncode == 0, (name, r.stderr)
+        assert all(os.path.getsize(p) > 0 for p in outs), name
+        assert b"\x1b" not in r.stdout and b"\x07" not in r.stdout, name
