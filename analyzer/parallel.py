@@ -70,4 +70,4 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
 
 def _one_rank(run_dir: str, files: list[str], rank: int, rank_pass) -> RankResult:
     """In a worker: one rank's files read as a run of one rank, then its pass."""
-    return rank_pass(load_files(run_dir, files, died_starting=False), rank)
+    return rank_pass(load_files(run_dir, files, died_starting=False, probed=True), rank)  # (the parent probed them)

@@ -8,6 +8,7 @@ from ..errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
 from . import shards
 from .attempts import Attempt, group, parse_name
 from .format import STARTING_SUFFIX
+from .probe import damaged
 from .rank import RankTrace
 
 
@@ -56,6 +57,13 @@ def trace_files(path: str) -> list[str]:
     return sorted(files, key=parse_name)  # by rank, then attempt
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _died_starting(path: str) -> dict[str, str]:
     """{file name: reason} for ranks (or attempts) whose job ended before its first flush: the
     recorder builds rank{N}.h5 (rank{N}.attempt{K}.h5) as <name>.starting and renames it once
@@ -80,12 +88,15 @@ def load(run_dir) -> Trace:
     return load_files(run_dir, trace_files(run_dir))
 
 
-def load_files(run_dir: str, files: list[str], died_starting: bool = True) -> Trace:
-    """load() of these rank files of ``run_dir`` (a worker reads one rank's: analyzer/parallel.py)."""
+def load_files(run_dir: str, files: list[str], died_starting: bool = True, probed: bool = False) -> Trace:
+    """load() of these rank files of ``run_dir`` (a worker reads one rank's: analyzer/parallel.py),
+    each decoded first in a child process with a deadline (probe.py) unless ``probed`` already."""
     traces: list[RankTrace] = []
-    unreadable: dict[str, str] = {}
-    first_error = None
+    unreadable: dict[str, str] = {} if probed else damaged(files, [_size(p) for p in files])
+    first_error = TraceFormatError(next(iter(unreadable.values()))) if unreadable else None
     for p in files:
+        if p in unreadable:
+            continue
         try:
             traces.append(RankTrace(p))
         except (TraceFormatError, SchemaVersionError) as e:

@@ -98,3 +98,20 @@ def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(tmp_
     assert [f["step"] for f in found if f["kind"] == "nonfinite"] == [60]
     unreadable = sorted(f["evidence"]["file"].rsplit("/", 1)[-1] for f in found if f["kind"] == "unreadable_rank")
     assert unreadable == ["rank0.attempt2.h5", "rank1.h5"]
+
+
+@pytest.mark.parametrize("command", ["info", "analyze"])
+def test_a_file_hdf5_would_decode_forever_is_refused_in_bounded_time(tmp_path, monkeypatch, command):
+    """Issue 38 (3): 512 zero bytes at this offset of a shipped sample make HDF5's global-heap
+    decoder loop forever in C, where no Python timeout reaches. Each file is decoded first in a
+    child process with a deadline (analyzer/trace/probe.py), here cut to 3 s."""
+    import time
+
+    data = bytearray((SAMPLES / "exploding_cnn" / "rank0.h5").read_bytes())
+    data[706325:706325 + 512] = bytes(512)
+    (tmp_path / "rank0.h5").write_bytes(bytes(data))
+    monkeypatch.setenv("TORCHAUTOPSY_READ_DEADLINE_S", "3")
+    t0 = time.monotonic()
+    r = run_cli(command, tmp_path, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert_one_line_error(r, "did not finish within 3 s", "copy it again")

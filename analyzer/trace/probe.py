@@ -1,0 +1,102 @@
+"""Rank files decoded first in a child process with a deadline, before this process reads them.
+
+HDF5 decodes a file in C, where no Python timeout reaches: 512 zeroed bytes in a trace's global
+heap made it loop forever at 100% CPU on the first attribute read, and a damaged file can crash it
+outright. So every file is first walked in a forked child: its attributes, each object's
+attributes, every string dataset whole (the global heap), the first and last row of every other
+dataset (their chunk indexes), at most MAX_OBJECTS objects. The child reports each file as it
+finishes it; a file it is still on when the deadline passes (or that kills it) is that rank's
+"could not read" and the child is replaced for the files after it. One child serves a whole run
+directory: ~10 ms a file, one fork per damaged file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import h5py
+
+from .format import _open
+
+MAX_OBJECTS = 20_000  # groups and datasets walked in one file (a trace has a few hundred)
+
+
+def deadline_s(size_bytes: int) -> float:
+    """How long one file may take: 10 s (TORCHAUTOPSY_READ_DEADLINE_S: a slow network filesystem
+    may need more), and 1 s more for every 100 MB (the string tables grow with it). A healthy
+    trace of 10,000 steps walks in under 0.1 s."""
+    try:
+        base = float(os.environ.get("TORCHAUTOPSY_READ_DEADLINE_S", "10"))
+    except ValueError:
+        base = 10.0
+    return max(base, 0.1) + size_bytes / 100e6
+
+
+def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
+    """{path: why} for the files whose walk did not finish in time or crashed the walking process.
+    Files HDF5 refuses with an error are left to the reader, which says why in its own words."""
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    bad: dict[str, str] = {}
+    start = 0
+    while start < len(paths):
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_walk_all, args=(paths[start:], send), daemon=True)
+        child.start()
+        send.close()
+        i = start
+        try:
+            while i < len(paths):
+                if not recv.poll(deadline_s(sizes[i])):
+                    bad[paths[i]] = (f"{paths[i]} could not be read: decoding it did not finish within "
+                                     f"{deadline_s(sizes[i]):.0f} s (a damaged structure HDF5 loops on); copy it "
+                                     "again from the job's run directory")
+                    break
+                try:
+                    recv.recv()
+                except EOFError:  # the child died on this file (HDF5 crashed on it)
+                    bad[paths[i]] = (f"{paths[i]} could not be read: decoding it crashed HDF5 (a damaged file); "
+                                     "copy it again from the job's run directory")
+                    break
+                i += 1
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join()
+            recv.close()
+        start = i + 1
+    return bad
+
+
+def _walk_all(paths: list[str], send) -> None:
+    for i, path in enumerate(paths):
+        try:
+            _walk(path)
+        except Exception:
+            pass  # (an error HDF5 reports is the reader's to say: only a hang or a crash counts here)
+        send.send(i)
+    send.close()
+
+
+def _walk(path: str) -> None:
+    with _open(path) as f:
+        seen = [0]
+        for _ in f.attrs.values():
+            pass
+
+        def visit(name, obj):
+            seen[0] += 1
+            if seen[0] > MAX_OBJECTS:
+                return True  # (stops visititems)
+            for _ in obj.attrs.values():
+                pass
+            if isinstance(obj, h5py.Dataset) and obj.shape is not None and obj.size:
+                if obj.dtype.kind in "OSU" or h5py.check_string_dtype(obj.dtype) is not None:
+                    obj[()]
+                elif obj.ndim:
+                    obj[0]
+                    obj[obj.shape[0] - 1]
+            return None
+
+        f.visititems(visit)
