@@ -38,9 +38,11 @@ def _gpt(tmp_path, lr: float):
 def test_a_learning_rate_far_too_high_is_named_first(tmp_path):
     trace, found = _gpt(tmp_path, 10.0)
     by_kind = {f.kind: f for f in found if f.severity != "info"}
-    # (too large over the run too: dated at the first update, which was already larger than the weights)
-    assert by_kind["update_ratio"].step == 0 and "the run's first update (step 0) was already" in \
-        by_kind["update_ratio"].summary
+    # The first update was larger than the weights; whether the later ones stay above 0.1 (the
+    # sustained finding, then dated at that first update) depends on the run.
+    ratio = by_kind["update_ratio"]
+    assert ratio.step == 0 and ("The first update was larger than the weights" in ratio.summary
+                                or "the run's first update (step 0) was already" in ratio.summary)
     assert by_kind["loss_divergence"].step <= 2 and "blew up in its first steps" in by_kind["loss_divergence"].summary
     verdict = build_report(trace, found).verdict
     assert verdict.headline.endswith("first to go wrong: update_ratio at step 0")
