@@ -37,8 +37,28 @@ _WAKE = object()
 # training wakes it, every PUT_BATCH steps. Waking it every step cost ~50 us a step (measured):
 # the woken thread takes the GIL from training for a moment.
 PUT_BATCH = 16
-_ABANDONED: list = []  # files whose writes failed: never closed (see TraceWriter._run)
+_ABANDONED: list = []  # files whose writes failed: never closed (see TraceWriter._run, _abandon)
+
+
+def _abandon(writer) -> None:
+    """Keep a file whose write failed, and every dataset of it, from ever being closed, also at
+    interpreter exit: closing them flushes, the flush fails again, and HDF5 crashed the process
+    in the garbage collection at exit (SIGSEGV in H5D_close, or SIGBUS: exit status 139 or 135
+    for a job that had finished). One extra reference to each object and its HDF5 id, never
+    given back, keeps Python from finalizing them; the operating system closes the file."""
+    import ctypes
+
+    objs = [writer._f, writer.__dict__.get("_blobs"), writer.__dict__.get("_snap")]
+    objs += [ds for table in writer.__dict__.get("_ds", {}).values() for ds in table.values()]
+    _ABANDONED.append(objs)
+    for obj in objs:
+        for o in (obj, getattr(obj, "id", None)):
+            if o is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 _MARGIN = 2 * 2**20  # bytes kept free beyond the worst case of one write
+
+
+CLOSE_ROOM = 4 * 2**20  # free bytes a clean close needs: the closing attributes, the metadata cache's flush
 
 
 class NoRoomError(OSError):
@@ -248,17 +268,20 @@ class TraceWriter:
             self.error = e
             warnings.warn(f"torchautopsy: writing {self.path} failed ({e}); recording stopped, "
                           "the steps flushed before this are still readable", RuntimeWarning)
-            if isinstance(e, NoRoomError):  # nothing failed: the file closes cleanly
+            # Nothing failed yet, and the disk still holds what closing writes (its attributes and
+            # metadata): the file closes cleanly. Otherwise closing would fail, and after a failed
+            # close HDF5 crashes the process as it exits (H5D_close): the file is left open.
+            if isinstance(e, NoRoomError) and _free_bytes(self.path) >= CLOSE_ROOM:
                 try:
                     set_attrs(self._f, {"closed": True, "end_reason": f"recorder error: {e}"})
                     self._f.close()
                 except Exception:
-                    _ABANDONED.append((self._f, self._ds))
+                    _abandon(self)
             else:
                 # Never touch the file again: closing an HDF5 file after a failed write can
                 # crash the process (HDF5 2.0, seen on a full disk). The file object is kept
                 # alive, and with it what was flushed, which SWMR keeps readable on disk.
-                _ABANDONED.append((self._f, self._ds))
+                _abandon(self)
             if table is _FLUSH:
                 row.set()
             if table is _STOP:
