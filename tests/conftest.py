@@ -1,0 +1,69 @@
+"""The suite's two lanes. ``python -m pytest`` runs everything (CI, and the README's command);
+``python -m pytest -m "not slow"`` is the loop to run after a change: under 2 minutes on two
+cores. Slow are the files whose tests together take 7 s or more (measured with --durations=0 on
+2026-11-28, 11 minutes in all): they start subprocesses (the CLI as a user runs it, torchrun,
+killed and restarted jobs, a full disk), train real frameworks' models (Lightning, transformers),
+record the samples again, open a browser or fuzz traces. A new test file that is slow goes here."""
+
+from __future__ import annotations
+
+import pytest
+
+SLOW_FILES = frozenset({
+    "tests/analyzer/detectors/test_cross_rank.py",
+    "tests/analyzer/detectors/test_input_data.py",
+    "tests/analyzer/detectors/test_params_not_learning.py",
+    "tests/analyzer/test_activity_attention_memory.py",
+    "tests/analyzer/test_corpus_subset.py",
+    "tests/analyzer/test_detectors_on_real_runs.py",
+    "tests/analyzer/test_evidence_contract.py",
+    "tests/analyzer/test_healthy_vision_families.py",
+    "tests/analyzer/test_learning_rate_from_the_start.py",
+    "tests/analyzer/test_loss_divergence.py",
+    "tests/analyzer/test_pathology_definitions.py",
+    "tests/analyzer/test_refused_hdf5.py",
+    "tests/analyzer/test_samples_rerecorded.py",
+    "tests/analyzer/test_slow_leak.py",
+    "tests/analyzer/test_streaming_reader.py",
+    "tests/analyzer/test_update_ratio.py",
+    "tests/cli/test_analyze_samples.py",
+    "tests/cli/test_bad_input.py",
+    "tests/cli/test_cli_conventions.py",
+    "tests/cli/test_killed_and_multirank.py",
+    "tests/cli/test_memory_snapshot.py",
+    "tests/cli/test_output_safety.py",
+    "tests/cli/test_profile_and_step_time.py",
+    "tests/cli/test_restarts_cli.py",
+    "tests/hostile/test_fuzz_traces.py",
+    "tests/integrations/test_huggingface.py",
+    "tests/integrations/test_huggingface_models.py",
+    "tests/integrations/test_lightning.py",
+    "tests/integrations/test_torchrun.py",
+    "tests/integrations/test_torchrun_ranks.py",
+    "tests/recorder/test_blackbox_snapshots.py",
+    "tests/recorder/test_clean_output.py",
+    "tests/recorder/test_compile.py",
+    "tests/recorder/test_compile_nanogpt.py",
+    "tests/recorder/test_full_disk_exit.py",
+    "tests/recorder/test_fused_reductions.py",
+    "tests/recorder/test_nan_origin_inf.py",
+    "tests/recorder/test_op_counts.py",
+    "tests/recorder/test_output_structures.py",
+    "tests/recorder/test_recorder_nonfinite.py",
+    "tests/recorder/test_recorder_signals.py",
+    "tests/recorder/test_restarts.py",
+    "tests/recorder/test_schedule_and_amp.py",
+    "tests/recorder/test_several_recorders.py",
+    "tests/reports/test_report_bounds.py",
+    "tests/reports/test_report_browser.py",
+    "tests/reports/test_report_html.py",
+    "tests/reports/test_report_pdf.py",
+    "tests/reports/test_report_ranks.py",
+    "tests/reports/test_report_samples.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("::")[0] in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
