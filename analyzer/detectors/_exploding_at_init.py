@@ -116,15 +116,13 @@ def _amplified(rt, cfg, advice, kind) -> list[Finding]:
     input's scale; a recurrent one of spectral radius above 1 multiplies it by that radius per
     time step (Pascanu et al. 2013). Not judged: the root, the last weighted layer (a regression
     head scales to its targets), normalisation layers (they reset the scale by design)."""
-    if rt.n_samples("activations") == 0:
+    first = _first_watched_rms(rt)
+    if first is None:
         return []
+    step, rms = first
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        mean = rt.activation_stat("mean", rows=[0])
-        std = rt.activation_stat("std", rows=[0])
-        rms = np.hypot(mean.to_numpy(dtype=np.float64)[0], std.to_numpy(dtype=np.float64)[0])
         prior = float(np.hypot(rt.columns["input_mean"].to_numpy()[0], rt.columns["input_std"].to_numpy()[0]))
-    step = int(mean.index[0])
     prior = prior if np.isfinite(prior) and prior > 0 else 0.0
     owners = {name.rpartition(".")[0] for name in rt.param_names}
     leaves = [k for k, leaf in enumerate(rt.module_is_leaf) if leaf and k > 0]
@@ -187,21 +185,28 @@ def _trained(rt: RankTrace, cfg) -> bool:
     return start > 0 and end >= 0 and end * cfg.trained_drop <= start
 
 
-def _forward(rt, cfg, layers, advice, kind) -> list[Finding]:
-    """Successive weighted layers' outputs growing >= activation_growth x over a chain of them,
-    each at least `layer_gain` x the one before, on the first watched step."""
+def _first_watched_rms(rt) -> tuple[int, np.ndarray] | None:
+    """(the first watched step, each module's output RMS on it: hypot of its mean and std), or
+    None when no activations were sampled."""
     if rt.n_samples("activations") == 0:
-        return []
+        return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         mean = rt.activation_stat("mean", rows=[0])
         std = rt.activation_stat("std", rows=[0])
-    step = int(mean.index[0])
+    return int(mean.index[0]), np.hypot(mean.to_numpy(dtype=np.float64)[0], std.to_numpy(dtype=np.float64)[0])
+
+
+def _forward(rt, cfg, layers, advice, kind) -> list[Finding]:
+    """Successive weighted layers' outputs growing >= activation_growth x over a chain of them,
+    each at least `layer_gain` x the one before, on the first watched step."""
+    first = _first_watched_rms(rt)
+    if first is None:
+        return []
+    step, module_rms = first
     col = {m: k for k, m in enumerate(rt.module_names)}
     names = [m for m, _ in layers]
-    m0 = mean.to_numpy(dtype=np.float64)[0]
-    s0 = std.to_numpy(dtype=np.float64)[0]
-    rms = np.array([np.hypot(m0[col[m]], s0[col[m]]) for m in names])
+    rms = np.array([module_rms[col[m]] for m in names])
     best = None  # (growth, first, last) of the chain with the largest growth
     start = 0
     for k in range(1, len(rms) + 1):
