@@ -213,23 +213,37 @@ def is_library(filename: str) -> bool:
             or "/torchautopsy/" in f)
 
 
+# Frames looked through for the job's own code: a real stack has tens; a trace's may claim 20,000.
+SITE_SCAN = 256
+
+
+def _frame_text(fr: dict) -> str:
+    return f"{fr.get('filename', '?')}:{fr.get('line', '?')} in {fr.get('name', '?')}"
+
+
 def site_of(frames: list[dict] | None, depth: int = 6) -> tuple[str, list[str]]:
-    """(the allocation site: innermost frame in the job's own code, "file:line in function";
-    the stack, innermost first, at most `depth` frames) of a recorded stack."""
+    """(the allocation site: innermost frame in the job's own code among the first SITE_SCAN,
+    "file:line in function"; the stack, innermost first, at most `depth` frames) of a recorded
+    stack."""
     if not frames:
         return "(no stack recorded)", []
-    text = [f"{fr.get('filename', '?')}:{fr.get('line', '?')} in {fr.get('name', '?')}" for fr in frames]
-    for fr, t in zip(frames, text):
+    text = [_frame_text(fr) for fr in frames[:depth]]
+    for fr in frames[:SITE_SCAN]:
         if not is_library(str(fr.get("filename", ""))):
-            return t, text[:depth]
-    return text[0], text[:depth]
+            return _frame_text(fr), text
+    return text[0], text
 
 
 def _group(rt: RankTrace, items: list[tuple[int, int]], top: int) -> list[dict]:
-    """[(stack, bytes)] grouped by allocation site, largest first."""
+    """[(stack, bytes)] grouped by allocation site, largest first; each stack read once (a
+    snapshot's 100,000 blocks may share one deep stack)."""
     by_site: dict[str, dict] = {}
+    sites: dict[int, tuple[str, list[str]]] = {}
     for stack, nbytes in items:
-        site, frames = site_of(rt.memory_stack(int(stack)))
+        stack = int(stack)
+        if stack not in sites:
+            sites[stack] = site_of(rt.memory_stack(stack))
+        site, frames = sites[stack]
         g = by_site.setdefault(site, {"site": site, "bytes": 0, "blocks": 0, "stack": frames})
         g["bytes"] += int(nbytes)
         g["blocks"] += 1

@@ -321,3 +321,39 @@ def test_an_out_of_memory_error_that_ends_a_job_without_a_with_block_is_caught_a
     (e,) = rt.oom_events.to_dict("records")
     assert (e["step"], e["source"], e["requested_bytes"]) == (7, "exception", 2**52)
     assert rt.meta["end_reason"].startswith("exception: RuntimeError")
+
+
+def test_a_hundred_thousand_blocks_on_one_deep_stack_are_grouped_in_bounded_time(tmp_path):
+    """Issue 38 (3): 100,000 snapshot blocks sharing one 20,000-frame stack ran past 60 s (each
+    block's site was looked up through the whole stack): each stack is read once, and the job's
+    own frame is looked for among its first 256 frames."""
+    import shutil
+    import time
+
+    import h5py
+    import numpy as np
+
+    from tests.helpers import SAMPLES
+    from tests.hostile.mutations import add_memory_snapshot, replace, texts
+
+    shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", tmp_path / "rank0.h5")
+    n, depth = 100_000, 20_000
+    with h5py.File(tmp_path / "rank0.h5", "r+") as f:
+        add_memory_snapshot(f)
+        cols = {"snapshot": np.zeros(n, np.int64), "segment": np.zeros(n, np.int64),
+                "address": (1 << 40) + np.arange(n, dtype=np.int64) * 512, "size": np.full(n, 512, np.int64),
+                "requested_size": np.full(n, 512, np.int64), "stack": np.zeros(n, np.int64),
+                "keys": np.full(n, 0x1F, np.int64)}
+        for col, values in cols.items():
+            replace(f, f"memory_blocks/{col}", data=values.astype(f[f"memory_blocks/{col}"].dtype), maxshape=(None,))
+        for col in ("state", "extra"):
+            replace(f, f"memory_blocks/{col}", data=texts(["active_allocated" if col == "state" else ""] * n, (n,)),
+                    dtype=h5py.string_dtype(), maxshape=(None,))
+        replace(f, "memory_stack_frames/frame", data=np.ones(depth, f["memory_stack_frames/frame"].dtype), maxshape=(None,))
+        f["memory_stacks/length"][0] = depth  # one stack of 20,000 library frames
+    t0 = time.monotonic()
+    (site,) = live_sites(load(tmp_path).ranks[0], 0)
+    assert time.monotonic() - t0 < 20
+    assert site["blocks"] == n and site["bytes"] == 512 * n and len(site["stack"]) == 6
+    r = run_cli("analyze", tmp_path, "--md", tmp_path / "r.md", timeout=60)
+    assert r.returncode == 0, r.stderr
