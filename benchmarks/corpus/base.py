@@ -96,6 +96,30 @@ def seed_all(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed + 1000)
 
 
+def hf():
+    """The transformers module, its warnings and progress bars silenced."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def image_templates(g: torch.Generator, size: int, n_cls: int = 8):
+    """Synthetic image classification: each class a smooth random 3 x size x size template;
+    returns sample(n, noise) -> (images, labels)."""
+    import torch.nn.functional as F
+
+    tpl = F.avg_pool2d(torch.randn(n_cls, 3, size + 4, size + 4, generator=g), 5, 1)
+    tpl = tpl / tpl.std()
+
+    def sample(n: int, noise: float):
+        y = torch.randint(0, n_cls, (n,), generator=g)
+        return tpl[y] + noise * torch.randn(n, 3, size, size, generator=g), y
+
+    return sample
+
+
 def rss_mib() -> float:
     """Resident memory now (Linux), MiB: the memory oracle's reading, not the recorder's."""
     try:

@@ -14,30 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Oracle, attention_entropy, grad_norms, record_loop, rss_mib, scenario, seed_all
+from .base import Oracle, attention_entropy, grad_norms, hf, image_templates, record_loop, rss_mib, scenario, seed_all
 
 
 # -- shared helpers ------------------------------------------------------------------------------
-
-def _hf():
-    """The transformers module, its warnings silenced."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
-def _templates(g: torch.Generator, n_cls: int = 8, size: int = 16):
-    """Synthetic image classification: each class a smooth random 3 x size x size template."""
-    tpl = F.avg_pool2d(torch.randn(n_cls, 3, size + 4, size + 4, generator=g), 5, 1)
-    tpl = tpl / tpl.std()
-
-    def sample(n: int, noise: float):
-        y = torch.randint(0, n_cls, (n,), generator=g)
-        return tpl[y] + noise * torch.randn(n, 3, size, size, generator=g), y
-
-    return sample
-
 
 def _total(model: nn.Module) -> float:
     return math.sqrt(sum(v * v for v in grad_norms(model).values()))
@@ -169,7 +149,7 @@ class _SwitchOptimizer:
           "attention entropy collapse at a too-high Adam lr: Zhai et al. 2023; Dehghani et al. 2023)",
           fresh=True)
 def fresh_vit_sgd_to_adamw_keeps_lr_attention_collapse(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(511)
     change, steps = 120, 220
 
@@ -180,7 +160,7 @@ def fresh_vit_sgd_to_adamw_keeps_lr_attention_collapse(run_dir: str) -> Oracle:
 
     model = vit("sdpa")
     twin = vit("eager").eval()  # the probe: an eager copy with the current weights (no extra forward of the model)
-    sample = _templates(g)
+    sample = image_templates(g, 16)
     probe_x, _ = sample(16, 1.5)
     names = [f"vit.layers.{i}.attention" for i in range(2)]
     history, max_w = {}, {}
@@ -225,12 +205,12 @@ def fresh_vit_sgd_to_adamw_keeps_lr_attention_collapse(run_dir: str) -> Oracle:
           "keeping running sums: with zero_grad(set_to_none=True) each step's gradients are new tensors, "
           "and none is freed (PyTorch FAQ, 'My model reports out of memory')", fresh=True)
 def fresh_resnet_gradient_history_dict_leak(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(512)
     model = tf.ResNetForImageClassification(tf.ResNetConfig(
         num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128], depths=[1, 1, 1], layer_type="basic",
         num_labels=8))
-    sample = _templates(g)
+    sample = image_templates(g, 16)
     start, steps = 60, 260
     history: dict[int, list[torch.Tensor]] = {}
     rss: list[float] = []
@@ -259,7 +239,7 @@ def fresh_resnet_gradient_history_dict_leak(run_dir: str) -> Oracle:
           "(PyTorch FAQ, 'My model reports out of memory': don't accumulate history across your training loop)",
           fresh=True)
 def fresh_bert_attention_map_cache_leak(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(513)
     V, T = 64, 64
     model = tf.BertForSequenceClassification(tf.BertConfig(
@@ -312,14 +292,14 @@ def _assert_healthy(losses: list[float], total: list[float], fall: float, surge:
           "momentum 0.9 and weight decay 5e-4, linear warm-up then cosine decay, forward in bf16 autocast on "
           "CPU (PyTorch AMP docs)", fresh=True)
 def fresh_resnet_healthy_sgd_nesterov_bf16(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(514)
     model = tf.ResNetForImageClassification(tf.ResNetConfig(
         num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[2, 2, 2], layer_type="basic",
         num_labels=8))
     # autocast around each forward (the model's own loss included), as the AMP docs prescribe
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
-    sample = _templates(g)
+    sample = image_templates(g, 16)
     steps, warm = 200, 10
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -13,26 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Oracle, grad_norms, record_loop, scenario, seed_all
-
-
-def _hf():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
-def _templates(g: torch.Generator, n_cls: int = 8, size: int = 32):
-    """Synthetic image classes: each a smooth random 3 x size x size template, plus noise."""
-    tpl = F.avg_pool2d(torch.randn(n_cls, 3, size + 4, size + 4, generator=g), 5, 1)
-    tpl = tpl / tpl.std()
-
-    def sample(n: int, noise: float):
-        y = torch.randint(0, n_cls, (n,), generator=g)
-        return tpl[y] + noise * torch.randn(n, 3, size, size, generator=g), y
-
-    return sample
+from .base import Oracle, grad_norms, hf, image_templates, record_loop, scenario, seed_all
 
 
 def _total(norms: dict[str, float]) -> float:
@@ -105,7 +86,7 @@ def fresh3_resnet_basicblock_shared_relu_first_call_dead(run_dir: str) -> Oracle
     with torch.no_grad():
         block.bn1.bias.fill_(-10.0)  # the bug
     per_call = _PerCall(block.relu, block)
-    sample = _templates(g, size=16)
+    sample = image_templates(g, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def after_step(step, loss):
@@ -155,7 +136,7 @@ def fresh3_cnn_looped_shared_block_one_iteration_dead(run_dir: str) -> Oracle:
     with torch.no_grad():
         model.bns[bad].bias.fill_(-8.0)  # the bug
     per_call = _PerCall(model.relu, model)
-    sample = _templates(g, size=16)
+    sample = image_templates(g, 16)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
 
     def after_step(step, loss):
@@ -330,10 +311,10 @@ def fresh3_lstm_log_energy_inf_nan_grad(run_dir: str) -> Oracle:
           "no-data pixels with 0 (ESA Sentinel-1 product specification), so at step 60 a scene with a no-data "
           "swath edge gives -Inf in ToDecibel, and the parent's per-image standardisation makes it NaN", fresh=True)
 def fresh3_swin_sar_db_nodata_nan(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(604)
     bad = 60
-    sample = _templates(g)
+    sample = image_templates(g, 32)
 
     class ToDecibel(nn.Module):
         def forward(self, x):

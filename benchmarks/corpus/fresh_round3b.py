@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Oracle, grad_norms, record_loop, rss_mib, scenario, seed_all
-from .fresh_round3a import _hf, _templates, _total
+from .base import Oracle, grad_norms, hf, image_templates, record_loop, rss_mib, scenario, seed_all
+from .fresh_round3a import _total
 
 
 # -- exploding from initialisation: nothing to compare to ------------------------------------------
@@ -127,7 +127,7 @@ def fresh3_irnn_two_layer_identity_gain2_explodes(run_dir: str) -> Oracle:
           "'Small-scale proxies for large-scale Transformer training instabilities', on lr sensitivity)",
           fresh=True)
 def fresh3_distilbert_adamw_lr1_explodes(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(607)
     V, T = 64, 32
 
@@ -204,12 +204,12 @@ def _hook_leak(run_dir, model, module, start, steps, batch, opt, min_growth):
           "(PyTorch FAQ: 'Don't accumulate history across your training loop'); ~1 MiB kept per step "
           "(Liu et al. 2022, ConvNeXt)", fresh=True)
 def fresh3_convnext_feature_map_logger_leak(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(608)
     model = tf.ConvNextForImageClassification(tf.ConvNextConfig(
         num_channels=3, patch_size=2, hidden_sizes=[32, 64, 128], depths=[1, 1, 1], num_stages=3, num_labels=8,
         image_size=32))
-    sample = _templates(g)
+    sample = image_templates(g, 32)
 
     def batch(step):
         x, y = sample(32, 2.0)
@@ -225,12 +225,12 @@ def fresh3_convnext_feature_map_logger_leak(run_dir: str) -> Oracle:
           "memory': don't accumulate history); a small leak, 0.5 MiB per step (Radosavovic et al. 2020, RegNet)",
           fresh=True)
 def fresh3_regnet_stem_histogram_small_leak(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(609)
     model = tf.RegNetForImageClassification(tf.RegNetConfig(
         num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], groups_width=8,
         layer_type="x", num_labels=8))
-    sample = _templates(g)
+    sample = image_templates(g, 32)
 
     def batch(step):
         x, y = sample(32, 2.0)

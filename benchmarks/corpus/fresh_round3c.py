@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Activity, Oracle, grad_norms, record_loop, scenario, seed_all
-from .fresh_round3a import _hf, _templates, _total
+from .base import Activity, Oracle, grad_norms, hf, image_templates, record_loop, scenario, seed_all
+from .fresh_round3a import _total
 from .fresh_round3b import _adding_problem, _ReLURNN
 
 
@@ -68,7 +68,7 @@ def _healthy(model, run_dir, batch, steps, opt, fall, loss_fn=None, warm=10, cli
 
 
 def _images(g, noise=2.0, n=32, size=32):
-    sample = _templates(g, size=size)
+    sample = image_templates(g, size)
 
     def batch(step):
         x, y = sample(n, noise)
@@ -111,7 +111,7 @@ def _markov_lm(g, V=32, T=32, n=32):
           "ConvNeXt's recipe (Liu et al. 2022, 'A ConvNet for the 2020s'): AdamW, weight decay 0.05, linear "
           "warm-up then cosine decay, gradient clipping; forward in bf16 autocast (PyTorch AMP docs)", fresh=True)
 def fresh3_convnext_healthy_adamw_bf16(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(620)
     model = _bf16(tf.ConvNextForImageClassification(tf.ConvNextConfig(
         num_channels=3, patch_size=2, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], num_stages=3, num_labels=8,
@@ -124,7 +124,7 @@ def fresh3_convnext_healthy_adamw_bf16(run_dir: str) -> Oracle:
           "Swin Transformer's recipe (Liu et al. 2021): AdamW, lr 1e-3, weight decay 0.05, linear warm-up then "
           "cosine decay, gradient clipping at 5; shifted-window attention on 32x32 images", fresh=True)
 def fresh3_swin_healthy_adamw_warmup(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(621)
     model = tf.SwinForImageClassification(tf.SwinConfig(
         image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
@@ -138,7 +138,7 @@ def fresh3_swin_healthy_adamw_warmup(run_dir: str) -> Oracle:
           "weight decay 5e-5, warm-up then cosine decay; RegNetX blocks (BatchNorm and ReLU throughout, no "
           "squeeze-excitation); bf16 autocast", fresh=True)
 def fresh3_regnet_healthy_sgd_cosine_bf16(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(622)
     model = _bf16(tf.RegNetForImageClassification(tf.RegNetConfig(
         num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], groups_width=8,
@@ -153,7 +153,7 @@ def fresh3_regnet_healthy_sgd_cosine_bf16(run_dir: str) -> Oracle:
           "(Dinov2ForImageClassification: CLS token and mean patch token to a linear head) with AdamW, weight "
           "decay 0.05, warm-up then cosine decay, gradient clipping", fresh=True)
 def fresh3_dinov2_healthy_classifier_layerscale(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(623)
     model = tf.Dinov2ForImageClassification(tf.Dinov2Config(
         image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -169,7 +169,7 @@ def fresh3_dinov2_healthy_classifier_layerscale(run_dir: str) -> Oracle:
           "applications, trained as a token tagger (a tag that depends on the token and its predecessor) with "
           "AdamW, weight decay 0.01, warm-up then cosine decay, clipping at 1 (the usual BERT recipe)", fresh=True)
 def fresh3_albert_healthy_shared_layers(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(624)
     model = tf.AlbertForTokenClassification(tf.AlbertConfig(
         vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
@@ -192,7 +192,7 @@ def fresh3_albert_healthy_shared_layers(run_dir: str) -> Oracle:
           "(small model from scratch; fine-tuning uses 2e-5 to 5e-5), weight decay 0.01, linear warm-up then "
           "cosine decay, clipping at 1", fresh=True)
 def fresh3_distilbert_healthy_adamw_warmup(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(625)
     model = tf.DistilBertForSequenceClassification(tf.DistilBertConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=32, num_labels=2))
@@ -205,7 +205,7 @@ def fresh3_distilbert_healthy_adamw_warmup(run_dir: str) -> Oracle:
           "attention) trained as a language model the way Llama was: AdamW betas (0.9, 0.95), weight decay "
           "0.1, warm-up then cosine decay, clipping at 1.0; forward in bf16 autocast", fresh=True)
 def fresh3_llama_healthy_lm_bf16(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(626)
     model = _bf16(tf.LlamaForCausalLM(tf.LlamaConfig(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

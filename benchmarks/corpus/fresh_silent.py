@@ -32,21 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Oracle, first_step, grad_norms, record_loop, scenario, seed_all
+from .base import Oracle, first_step, grad_norms, hf, record_loop, scenario, seed_all
 
 _NORM_OR_DROPOUT = (nn.Dropout, nn.modules.batchnorm._BatchNorm)
 
 
 # -- shared helpers ------------------------------------------------------------------------------
-
-def _hf():
-    """The transformers module, its warnings and progress bars silenced."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    return transformers
-
 
 def _bert(tf, dropout: float = 0.1, V: int = 64, T: int = 32):
     return tf.BertForSequenceClassification(tf.BertConfig(
@@ -226,7 +217,7 @@ def _add_lora(bert_model) -> list[str]:
           "construction (torch.optim docs), so the adapters get gradients and never change while the base "
           "model is fully fine-tuned (PEFT's docs build the optimizer after get_peft_model)", fresh=True)
 def fresh_bert_lora_adapters_added_after_optimizer(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(520)
     model = _bert(tf)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the trainer's setup, done first
@@ -267,7 +258,7 @@ class _LMWithTopicHead(nn.Module):
           "the `+ 0.3 * topic_loss` term dropped in a refactor): the head gets no gradient and never changes",
           fresh=True)
 def fresh_gpt2_aux_topic_loss_logged_never_added(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(521)
     vocab, n_topics, length = 48, 4, 24
     chains = torch.softmax(3.0 * torch.randn(n_topics, vocab, vocab, generator=g), -1)  # a Markov chain per topic
@@ -372,7 +363,7 @@ def fresh_mlp_clip_temperature_init_past_clip_zero_grad(run_dir: str) -> Oracle:
           "fine-tuning but the loop that sets requires_grad back to True was left out: the frozen encoder's "
           "parameters are handed to the optimizer and never change", fresh=True)
 def fresh_vit_stage2_full_finetune_forgot_unfreeze(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(524)
     model = _vit(tf)
     proc = tf.ViTImageProcessor(size={"height": 16, "width": 16})
@@ -485,7 +476,7 @@ def fresh_mlp_zero_grad_indented_into_logging_block(run_dir: str) -> Oracle:
 def fresh_bert_zero_grad_called_on_ema_copy(run_dir: str) -> Oracle:
     from torchautopsy import Recorder
 
-    tf = _hf()
+    tf = hf()
     g = seed_all(531)
     model = _bert(tf)
     ema_model = copy.deepcopy(model).requires_grad_(False)
@@ -637,7 +628,7 @@ def fresh_cnn_validation_callback_leaves_eval_mode(run_dir: str) -> Oracle:
           "should first set it back in training mode with model.train()', PreTrainedModel docs); a custom "
           "fine-tuning loop (no Trainer, which would call model.train()) never does", fresh=True)
 def fresh_bert_from_pretrained_custom_loop_eval_mode(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(541)
     with tempfile.TemporaryDirectory() as d:  # the "pretrained" checkpoint: a tiny BERT saved, then loaded
         _bert(tf).save_pretrained(d)
@@ -664,7 +655,7 @@ def fresh_bert_from_pretrained_custom_loop_eval_mode(run_dir: str) -> Oracle:
           "is not eval mode (PyTorch docs, 'Autograd mechanics: evaluation mode (nn.Module.eval())'), so the "
           "ViT's Dropout stays on during validation and the validation accuracy is noisy and low", fresh=True)
 def fresh_vit_eval_loop_under_no_grad_in_train_mode(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(542)
     model = _vit(tf, dropout=0.1)
     proc = tf.ViTImageProcessor(size={"height": 16, "width": 16})
@@ -693,7 +684,7 @@ def fresh_vit_eval_loop_under_no_grad_in_train_mode(run_dir: str) -> Oracle:
           "each validation batch by its own statistics and folds them into its running mean/var (Ioffe & "
           "Szegedy 2015; PyTorch BatchNorm2d docs: running stats are updated in training mode)", fresh=True)
 def fresh_resnet_validation_in_train_mode_updates_bn_stats(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(543)
     model = tf.ResNetForImageClassification(tf.ResNetConfig(
         num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=8))
@@ -735,7 +726,7 @@ def _stats(x: torch.Tensor) -> dict:
           "(`torch.tensor(images).float()`) instead of through ViTImageProcessor, which rescales by 1/255 and "
           "normalises with mean 0.5, std 0.5 (transformers docs): the model gets 0..255 pixels", fresh=True)
 def fresh_vit_pixel_values_skipped_image_processor(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(550)
     model = _vit(tf)
     proc = tf.ViTImageProcessor(size={"height": 16, "width": 16})
@@ -896,7 +887,7 @@ def fresh_rnn_second_site_shard_raw_units_shift(run_dir: str) -> Oracle:
           "encoder frozen (requires_grad=False) and only the classifier's parameters given to the optimizer, "
           "images through ViTImageProcessor", fresh=True)
 def fresh_vit_healthy_frozen_backbone_linear_probe(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(560)
     model = _vit(tf)
     proc = tf.ViTImageProcessor(size={"height": 16, "width": 16})
@@ -984,7 +975,7 @@ def fresh_cnn_healthy_validation_switches_eval_train(run_dir: str) -> Oracle:
 def fresh_bert_healthy_token_ids_model_zero_grad(run_dir: str) -> Oracle:
     from torchautopsy import Recorder
 
-    tf = _hf()
+    tf = hf()
     g = seed_all(563)
     model = _bert(tf)
     data = _token_task(g)
@@ -1017,7 +1008,7 @@ def fresh_bert_healthy_token_ids_model_zero_grad(run_dir: str) -> Oracle:
           "trainable parameters only; the adapters' A matrices get an exactly zero gradient at step 0 (B "
           "starts at 0) and learn from step 1", fresh=True)
 def fresh_bert_healthy_lora_frozen_base_optimizer_after(run_dir: str) -> Oracle:
-    tf = _hf()
+    tf = hf()
     g = seed_all(564)
     model = _bert(tf)
     model.requires_grad_(False)
