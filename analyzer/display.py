@@ -90,3 +90,8 @@ def listed(names, shown: int) -> str:
     names = list(names)
     text = ", ".join(n or "(model)" for n in names[:shown])
     return text + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
+
+
+def ordinal(n: int) -> str:
+    """first, second, third, 4th, ...: the n-th call of a module named in a sentence."""
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .call_sites import CallSites
 from .functional import compiling, eager
 from .histograms import histogram
 from .input_stats import InputStats
@@ -102,6 +103,7 @@ class ModuleWatcher:
         # Fused steps (watch_batch.py): modules seen writing into their inputs (and those that
         # say inplace=True), measured before they run; modules whose outputs are written in place
         # after they return, measured as they return.
+        self.call_sites = CallSites(MAX_SITE_CALLS)  # the calls of a module called more than once
         self.writes_input = {i for i, m in enumerate(self.modules) if getattr(m, "inplace", False) is True}
         self.written_after: set[int] = set()
         self._reset()
@@ -333,8 +335,9 @@ class ModuleWatcher:
         """Module `inner` is a submodule of `outer` (by name: its forward runs inside outer's)."""
         return inner != outer and (outer == 0 or self.names[inner].startswith(self.names[outer] + "."))
 
-    def finish_step(self, host: dict[str, np.ndarray], n_modules: int) -> dict:
-        """Turn this step's host values into per-module rows; then forget the step."""
+    def finish_step(self, host: dict[str, np.ndarray], n_modules: int, step: int = -1) -> dict:
+        """Turn step ``step``'s host values into per-module rows (and per-call ones for a module
+        called more than once: call_sites.py); then forget the step."""
         if not self._calls and not self._acts:  # not watched: nothing measured (-1)
             if len(self._unmeasured) != n_modules:
                 self._unmeasured = np.full(n_modules, -1.0, dtype=np.float32)
@@ -409,6 +412,10 @@ class ModuleWatcher:
         if origin == _BATCH:  # a -Inf of the input batch made the fault
             origin, batch_bad = -1, True
         out_absmax = np.array(out_absmax)
+        # (per-call statistics only where no call's rows were dropped as stale: their order holds)
+        per_call = self.call_sites.finish(step, self._calls, amax,
+                                          self._acts if self._acts and not any(self.meas.stale_parts) else None,
+                                          np.array(self.meas.numel), acts)
         row = {
             "output_absmax": out_absmax.astype(np.float32),
             "origin": origin if origin >= 0 else first_bad,
@@ -418,6 +425,8 @@ class ModuleWatcher:
             "output_grad_nonfinite": int(host["out_grad_bad"].any()) if "out_grad_bad" in host else -1,
             "batch_nonfinite": int(batch_bad),
         }
+        if per_call is not None:
+            row["call_outputs"] = per_call
         if self._acts:
             calls = self._acts
             if any(self.meas.stale_parts):  # written in place before measured: left out

@@ -140,6 +140,17 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
             Column("nonfinite", "i4", n_modules),
         ],
         "updates": [Column("step", "i8"), Column("ratio", "f4", n_params)],
+        # The calls of a module called more than once in a step, each a site (call_sites.py),
+        # appended when first seen; and their outputs on watched steps: max |output| (-1: the
+        # call did not run), and mean, std, zero share on activation steps (NaN on others).
+        "call_sites": [Column("module", "i4"), Column("call", "i4"), Column("first_step", "i8")],
+        "call_outputs": [
+            Column("step", "i8"),
+            Column("output_absmax", "f4", GROWS),
+            Column("mean", "f4", GROWS),
+            Column("std", "f4", GROWS),
+            Column("zero_frac", "f4", GROWS),
+        ],
         # Activation-function call sites (per unit activity, saturation), appended when first seen.
         "activity_sites": [
             Column("module", "i4"),  # index into modules/name: innermost module that called it

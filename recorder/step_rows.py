@@ -118,7 +118,7 @@ class StepRows:
 
         hist_act = (self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else
                     np.full((len(self.watcher.hist_modules), N_BINS), -1) if bad_hist else None)  # (-1: not taken)
-        mods = self.watcher.finish_step(host, len(self.watcher.names))
+        mods = self.watcher.finish_step(host, len(self.watcher.names), step)
         self.loss_given = loss is not None
         # (a compiled forward's inner modules are not measured even on a watched step: replayed too)
         if (not watched or self.watcher.compiled) and bad_step and self.trigger(loss_value, grad_bad, mods) is not None:
@@ -133,6 +133,8 @@ class StepRows:
                 rows["loss_checks"] = checks
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
+        if "call_outputs" in mods:
+            rows["call_outputs"] = mods["call_outputs"]
         if fingerprint:
             rows["fingerprints"] = {"step": step, "bits": pieces_to_int64(host["fingerprint"])}
         rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
@@ -145,6 +147,7 @@ class StepRows:
         rows["activity_sites"] = self.activity.take_new_sites()
         rows["attention_sites"] = self.attention.take_new_sites()
         rows["module_outputs"] = self.watcher.take_new_shapes()
+        rows["call_sites"] = self.watcher.call_sites.take_new_sites()
         self.input_row = self.inputs.combine(host.get("inputs", ()))
         if not self.loss_function_seen:
             self._loss_function(step, loss, rows)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..display import ordinal
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
 
@@ -212,9 +213,9 @@ def _summary(rt: RankTrace, row, d: _SiteDeaths, cfg: DeadReluConfig) -> str:
     fn = row.function
     n, call = _calls(rt, row), int(row.call)
     if _is_activation_module(rt, row):  # (an nn.ReLU: one F.relu a call; several calls, several sites)
-        how = "" if n == 1 else f", its {_ordinal(call + 1)} call of {n} in a step"
+        how = "" if n == 1 else f", its {ordinal(call + 1)} call of {n} in a step"
     else:
-        how = f" (F.{fn} in its forward)" if n == 1 else f" (its {_ordinal(call + 1)} F.{fn} call of {n} in a step)"
+        how = f" (F.{fn} in its forward)" if n == 1 else f" (its {ordinal(call + 1)} F.{fn} call of {n} in a step)"
     state = {"leaky_relu": "never left the negative (leaky) region",
              "gelu": "were pinned at or below zero"}.get(fn, "never activated")
     summary = (f"{d.dead} of {int(row.units)} units ({d.share:.0%}) of the {_LABEL.get(fn, fn)} in "
@@ -250,10 +251,6 @@ def _calls(rt: RankTrace, row) -> int:
     """How many sites of this function the module has: its calls in a step."""
     sites = rt.activity_sites
     return max(1, int(((sites["module_index"] == row.module_index) & (sites["function"] == row.function)).sum()))
-
-
-def _ordinal(n: int) -> str:
-    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
 
 def _no_data(rt: RankTrace) -> Finding:

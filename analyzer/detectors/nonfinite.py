@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..display import ordinal
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace, measured_rows
+from ..trace.format import MAX_SITE_CALLS
 from . import _loss_ops
 
 
@@ -46,6 +48,8 @@ class Evidence(BaseEvidence, total=False):
     outputs_nonfinite_on_step: bool  # the model's own outputs held NaN/Inf on the step
     origin_module_output_absmax: float  # (forward) the max |output| of the module that made it: Inf or NaN
     chain: dict  # (forward) producer and consumer module of a -Inf made NaN/+Inf, and the step
+    origin_call: int  # (forward, a module called more than once in the step) its call that made it, 0 the first
+    origin_calls: int  # (forward) how many times the module ran in that step
 
 
 KIND = "nonfinite"
@@ -204,6 +208,9 @@ def _evidence(rt: RankTrace, m: _FirstBadStep, stage: str) -> Evidence:
         evidence["outputs_nonfinite_on_step"] = bool(m.outs_bad)
     if stage == "forward":
         evidence["origin_module_output_absmax"] = float(m.module_absmax[m.origin])
+        call = _origin_call(rt, m.origin, m.step)
+        if call is not None:
+            evidence["origin_call"], evidence["origin_calls"] = call
         if _chained(rt, m):
             evidence["chain"] = {"producer": rt.module_names[m.origin], "consumer": rt.module_names[m.consumer],
                                  "step": m.step}
@@ -257,19 +264,43 @@ def _replay_said(rt: RankTrace, step: int) -> str:
     return said
 
 
+def _origin_call(rt: RankTrace, module: int, step: int) -> tuple[int, int] | None:
+    """(the call that first gave a non-finite output, the calls it ran) of a module called more
+    than once on the step (call_sites: the recorder's per-call outputs, on watched steps); None
+    for a module called once, or a step without per-call outputs (replayed, older traces)."""
+    sites = rt.call_sites
+    mine = np.flatnonzero(sites["module_index"].to_numpy() == module) if len(sites) else []
+    if not len(mine):
+        return None
+    row = rt.call_stat("output_absmax", steps=[step])
+    if not len(row):
+        return None
+    values = row.to_numpy()[0][mine]
+    ran = ~(values < 0)  # (-1: that call did not run; NaN: it ran, and held NaN)
+    bad = np.flatnonzero(ran & ~np.isfinite(values))
+    if ran.sum() < 2 or not bad.size:
+        return None
+    return int(sites["call"].to_numpy()[mine[bad[0]]]), int(ran.sum())
+
+
 def _forward_birth(rt: RankTrace, m: _FirstBadStep) -> str:
     name = rt.module_names[m.origin] or "(the model's own forward)"
-    mtype = rt.module_types[m.origin]
+    who = f"{name} ({rt.module_types[m.origin]})"
+    call = _origin_call(rt, m.origin, m.step)
+    if call is not None:  # (a reused module: one of its calls made it; past the last site, which)
+        k, n = call
+        who += (f", its {ordinal(k + 1)} call of {n} in the step," if k < MAX_SITE_CALLS - 1 else
+                f", its {ordinal(k + 1)} call or a later one (of {n} or more in the step),")
     if not _chained(rt, m) and not m.loss_bad and m.grad_bad.any():
         # (a -Inf that the layers after it hid in the forward: a GRU's saturated gates)
-        return (f"{name} ({mtype}) made -Inf/Inf from finite inputs at step {m.step} (a log or a division of 0?); "
+        return (f"{who} made -Inf/Inf from finite inputs at step {m.step} (a log or a division of 0?); "
                 f"the layers after it kept the forward and the loss finite, and the backward made NaN/Inf of it "
                 f"({len(np.flatnonzero(m.grad_bad))} parameter(s) with NaN/Inf gradients)")
     if not _chained(rt, m):
-        return (f"NaN/Inf was born in the forward pass of {name} ({mtype}) at step {m.step}: its "
+        return (f"NaN/Inf was born in the forward pass of {who} at step {m.step}: its "
                 f"output was non-finite while its inputs were finite")
     cname = rt.module_names[m.consumer] or "(the model's own forward)"
-    return (f"{name} ({mtype}) made -Inf from finite inputs at step {m.step} (a log or a "
+    return (f"{who} made -Inf from finite inputs at step {m.step} (a log or a "
             f"division of 0?), and {cname} ({rt.module_types[m.consumer]}), which took it in, "
             f"turned it into NaN/Inf")
 

@@ -20,6 +20,9 @@ FORMAT_NAME = "torchautopsy-trace"
 # The row of a profiler window's operator table that holds the recorder's own work (its norms,
 # statistics and copies, folded into one: they are not the job's operators).
 OWN_WORK_RANGE = "torchautopsy.recorder"
+# Calls of one module in a step with a site of their own (activity, attention, call_outputs);
+# later calls share the last one (recorder/hooks.py).
+MAX_SITE_CALLS = 16
 # The root module's label in the per-module DataFrames and in reports: named_modules() names it
 # '' (and so do findings' `where`), which no reader sees as a column.
 ROOT_LABEL = "(model)"

@@ -101,6 +101,38 @@ class SiteTables:
         return self._frame(data[:, :width], t["step"], cols, f"attention/{stat}")
 
     @cached_property
+    def call_sites(self) -> pd.DataFrame:
+        """The calls of modules called more than once in a step: module (name), module_index,
+        call (0 the first), first_step. One row per call site, in the order first seen."""
+        return self._sites("call_sites", ("module", "call", "first_step"))
+
+    def call_stat(self, stat: str = "output_absmax", steps=None) -> pd.DataFrame:
+        """Watched steps x call sites ("module#call", call 0 the first) for output_absmax (-1
+        where the call did not run), mean, std or zero_frac (NaN but on activation steps): the
+        per-call view of modules/output_absmax and activations/ for a module called more than
+        once in a step (an nn.ReLU reused in a block, a shared layer, a cell looped over time).
+        ``steps``: only the rows of these steps (the table has a row per watched step)."""
+        if stat not in ("output_absmax", "mean", "std", "zero_frac"):
+            raise ValueError(f"unknown call statistic {stat!r}")
+        sites = self.call_sites
+        cols = [f"{m}#{c}" for m, c in zip(sites["module"], sites["call"])]
+        if not self._has("call_outputs"):
+            return self._frame(np.zeros((0, len(cols))), np.zeros(0, np.int64), cols, f"call_outputs/{stat}")
+        n = self._n_rows("call_outputs", ("step", stat))
+        all_steps = self._read_rows("call_outputs/step", None, n)[1]
+        rows = None if steps is None else np.flatnonzero(np.isin(all_steps, np.asarray(steps)))
+        idx, data = self._read_rows(f"call_outputs/{stat}", rows, n)
+        data = np.array(data, dtype=np.float64)  # (a copy: the reader's arrays are read-only)
+        data = data.reshape(len(idx), -1) if data.size else np.zeros((len(idx), 0))
+        width = len(cols)
+        if data.shape[1] < width:  # rows written before later sites were seen
+            data = np.pad(data, ((0, 0), (0, width - data.shape[1])), constant_values=np.nan)
+        data, at = data[:, :width], np.asarray(all_steps[idx], dtype=np.int64)
+        if stat == "output_absmax" and width:  # (a row before a site was seen is padded NaN: not run)
+            data[at[:, None] < np.asarray(sites["first_step"], dtype=np.int64)[None, :]] = -1.0
+        return self._frame(data, at, cols, f"call_outputs/{stat}")
+
+    @cached_property
     def module_outputs(self) -> pd.DataFrame:
         """The shape and dtype of each module's first floating-point output: module (name),
         module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""

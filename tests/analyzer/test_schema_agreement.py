@@ -19,7 +19,7 @@ from torchautopsy.analyzer import memory_snapshot
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import format as reader_format
 from torchautopsy.analyzer.trace import upgrade
-from torchautopsy.recorder import cuda_memory, resume, schema
+from torchautopsy.recorder import cuda_memory, hooks, resume, schema
 
 # Datasets of older formats that the reader still looks for (and upgrades): not written today.
 LEGACY = set()
@@ -29,6 +29,7 @@ def test_constants_agree():
     assert schema.SCHEMA_VERSION == reader_format.SCHEMA_VERSION
     assert schema.FORMAT_NAME == reader_format.FORMAT_NAME
     assert schema.OWN_WORK_RANGE == reader_format.OWN_WORK_RANGE
+    assert hooks.MAX_SITE_CALLS == reader_format.MAX_SITE_CALLS
     assert resume.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
     for key in ("SNAPSHOT_KEYS", "SEGMENT_KEYS", "BLOCK_KEYS", "TRACE_KEYS", "FRAME_KEYS"):
         assert getattr(cuda_memory, key) == getattr(memory_snapshot, key), key
@@ -39,11 +40,13 @@ class Attn(nn.Module):
         super().__init__()
         self.embed = nn.Linear(8, 16)
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.act = nn.GELU()  # called twice: per-call sites (call_sites/, call_outputs/)
         self.head = nn.Sequential(nn.ReLU(), nn.Linear(16, 1), nn.Tanh())
 
     def forward(self, x):
-        h = self.embed(x)
+        h = self.act(self.embed(x))
         h, _ = self.attn(h, h, h)
+        h = self.act(h)
         return self.head(h).mean(1)
 
 
@@ -93,8 +96,10 @@ def test_every_dataset_the_analyzer_reads_is_one_the_writer_writes(monkeypatch):
     findings = analyze(trace)
     rt = trace.ranks[0]
     for prop in ("stored_tensors", "blackbox", "snapshots", "census_groups", "module_outputs",
-                 "profile_windows", "loss_checks", "hyperparams", "optimizers"):
+                 "profile_windows", "loss_checks", "hyperparams", "optimizers", "call_sites"):
         getattr(rt, prop)
+    for stat in ("output_absmax", "mean", "std", "zero_frac"):
+        assert rt.call_stat(stat).shape[1] == 2  # (act#0, act#1)
     monkeypatch.undo()
 
     assert any(f.kind == "nonfinite" for f in findings)
