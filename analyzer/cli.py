@@ -210,9 +210,9 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         md_path = None
     cfg = load_config(config_path) if config_path is not None else None
     traces = _rank_files(run_dir)
-    # Reports overwrite a file (people re-run into the same report.html), never a trace or a link;
+    # The one rule of every output (output.py): a report replaces a file, never a trace or a link;
     # checked before a long analysis, not after.
-    check_outputs((json_path, html_path, pdf_path, md_path), traces, overwrite=True)
+    check_outputs((json_path, html_path, pdf_path, md_path), traces)
     trace = load(run_dir)
     progress = _Progress(trace)
     try:
@@ -233,7 +233,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         doc = {"run_dir": trace.run_dir, "findings": [f.to_dict() for f in findings]}
         text = json.dumps(doc, indent=2, allow_nan=False) + "\n"
         if json_path:
-            write_output(json_path, text, traces, overwrite=True)
+            write_output(json_path, text, traces)
             echo(f"wrote {json_path}")
         else:
             write_stdout(text)
@@ -281,7 +281,7 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
     if md_path:
         outputs.append((md_path, render_markdown(trace, findings)))
     for path, content in outputs:
-        write_output(path, content, traces, overwrite=True)
+        write_output(path, content, traces)
         echo(f"wrote {path}")
     if open_html:
         import webbrowser
@@ -332,7 +332,9 @@ def info(run_dir, colour):
               help="Write sampled activations and gradients (WHICH: a step number or 'last') or the black box's "
                    "inputs, gradients, optimizer state and RNG states ('blackbox') as safetensors.")
 @click.option("--rank", type=int, default=None, help="Which rank (default: the lowest recorded).")
-@click.option("--force", is_flag=True, help="Overwrite output files that exist (never a trace).")
+@click.option("--force", is_flag=True,
+              help="Does nothing: every output replaces a file that exists (never a trace, never through a "
+                   "link); kept so that older scripts still run.")
 def export(run_dir, profile_path, window, snapshot_path, which, params, tensors, rank, force):
     """Export data recorded in RUN_DIR in the formats other tools read."""
     if not (profile_path or snapshot_path or params or tensors):
@@ -347,7 +349,7 @@ def export(run_dir, profile_path, window, snapshot_path, which, params, tensors,
         raise click.UsageError("export writes files, not stdout: give the path of a file instead of '-' "
                                "(./- for a file named '-')")
     traces = _rank_files(run_dir)
-    check_outputs((profile_path, snapshot_path, *(out for *_, out in asked)), traces, overwrite=force)
+    check_outputs((profile_path, snapshot_path, *(out for *_, out in asked)), traces)  # (--force: a no-op)
     trace = load(run_dir)
     if rank is None:
         rank = next(iter(trace.ranks))
@@ -371,7 +373,7 @@ def export(run_dir, profile_path, window, snapshot_path, which, params, tensors,
     if snapshot_path:
         outputs.append(_memory_snapshot(rt, which, rank, snapshot_path))
     for path, data, what in outputs:
-        n = write_output(path, data, traces, overwrite=force)
+        n = write_output(path, data, traces)
         click.echo(f"wrote {path}: {what} ({human_bytes(n)})")
 
 

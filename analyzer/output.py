@@ -1,18 +1,26 @@
 """Every file the CLI writes (reports, findings, exports) goes through here.
 
-What it guarantees, whatever the trace or the directory holds:
+**The rule, the same for every output of every command** (``analyze``'s ``--json``/``--html``/
+``--pdf``/``--md``, ``export``'s files, and any command to come): an existing regular file at the
+output path is replaced (reports are regenerated often: re-running into the same ``report.html``
+just works), except
 
-- it never writes over a trace: not over a rank file of the run being read (same device and
-  inode, so a hard link or another spelling of the path is caught too), nor over any file that
-  HDF5 would open, even with ``--force``;
-- it never writes through a symbolic link: a link at the output path is refused (see
-  ``_refusal``), and the data goes to a new temporary file in the same directory, then
-  ``os.replace`` puts it at the path; a link planted after the check is replaced, never followed;
-- a write that fails (full disk, interrupt, damaged data found while streaming) leaves no half
-  file: the temporary file is removed and the path keeps what it had;
-- without ``overwrite`` an existing file is kept (``export`` needs ``--force`` to replace one).
+- a trace: a rank file of the run being read (same device and inode, so a hard link or another
+  spelling of the path is caught too), any file HDF5 would open (its signature where HDF5 looks
+  for one), or a rank file's name in the run directory (``rank{N}.h5``, ``rank{N}.attempt{K}.h5``
+  and their ``.starting``), which the next analysis would take for a rank;
+- a symbolic link (dangling or not): refused rather than replaced or followed, see ``_refusal``;
+- a folder, a device, a socket; a pipe or terminal (``/dev/stdout``) is written in place.
 
-Errors are one line (exit code 2) saying what is wrong and what to do.
+A refused output is one line (exit code 2) saying what is wrong and what to do, given before any
+work is done (``check_outputs``) and checked again just before writing (``write_output``).
+``export --force`` is accepted and does nothing: kept so that scripts written when ``export``
+refused an existing file without it still run.
+
+How a file is written: to a new temporary file in the same folder, then ``os.replace`` puts it at
+the path, so a link planted after the check is replaced, never followed; a write that fails (full
+disk, interrupt, damaged data found while streaming) leaves no half file: the temporary file is
+removed and the path keeps what it had.
 
 ``-`` is not a path here: the CLI sends an output named ``-`` to ``write_stdout`` (``analyze --json
 -``) or refuses it; whatever reaches ``check_outputs`` or ``write_output`` is a file's path.
@@ -79,16 +87,37 @@ def _is_stream(path: str) -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
 
 
-def _refusal(path: str, protect: Iterable[str], overwrite: bool) -> str | None:
-    """Why ``path`` must not be written, or None."""
+def _rank_name_in_run(path: str, protect: list[str]) -> str | None:
+    """The run directory when ``path`` is a rank file's name in it (existing or not), else None."""
+    from .trace.attempts import parse_name
+    from .trace.format import STARTING_SUFFIX
+
+    name = os.path.basename(path)
+    if name.endswith(STARTING_SUFFIX):
+        name = name[:-len(STARTING_SUFFIX)]
+    if parse_name(name) is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    for trace in protect:
+        run_dir = os.path.dirname(os.path.abspath(trace))
+        if _identity(run_dir) is not None and _identity(run_dir) == _identity(folder):
+            return run_dir
+    return None
+
+
+def _refusal(path: str, protect: list[str]) -> str | None:
+    """Why ``path`` must not be written (the rule in this module's docstring), or None."""
     if _is_stream(path):
         return None
     folder = os.path.dirname(os.path.abspath(path))
+    run_dir = _rank_name_in_run(path, protect)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         if not os.path.isdir(folder):
             return f"cannot write {path}: {os.strerror(errno.ENOENT)} (no folder {folder})"
+        if run_dir:
+            return _RANK_NAME.format(path=path, run_dir=run_dir)
         if not os.access(folder, os.W_OK):
             return f"cannot write {path}: {os.strerror(errno.EACCES)}"
         return None
@@ -108,25 +137,30 @@ def _refusal(path: str, protect: Iterable[str], overwrite: bool) -> str | None:
         if _identity(trace) == (st.st_dev, st.st_ino):
             return f"{path} is the trace being read ({trace}); give another path for the output"
     if is_hdf5(path):
-        return (f"{path} is an HDF5 file (a trace?); torchautopsy never writes over one, "
-                "even with --force: give another path")
-    if not overwrite:
-        return f"{path} exists; give --force to overwrite it, or another path"
+        return (f"{path} is an HDF5 file (a trace?); torchautopsy never writes over one: "
+                "give another path")
+    if run_dir:
+        return _RANK_NAME.format(path=path, run_dir=run_dir)
     # A read-only file is kept, though replacing it would only need the folder to be writable.
     if not (os.access(path, os.W_OK) and os.access(folder, os.W_OK)):
         return f"cannot write {path}: {os.strerror(errno.EACCES)}"
     return None
 
 
-def check_outputs(paths: Iterable[str | None], protect: Iterable[str] = (), overwrite: bool = False) -> None:
+_RANK_NAME = ("{path} is a rank trace's name in the run directory {run_dir} (the next analysis would "
+              "read it as a rank); give another path")
+
+
+def check_outputs(paths: Iterable[str | None], protect: Iterable[str] = (), overwrite: object = None) -> None:
     """Refuse, before any work is done, outputs that ``write_output`` would refuse, and two
-    outputs at the same path (the second would silently replace the first)."""
+    outputs at the same path (the second would silently replace the first). ``protect``: the
+    trace files of the run being read. ``overwrite`` is ignored (every output follows the rule)."""
     protect = list(protect)
     seen: dict[object, str] = {}
     for path in paths:
         if not path:
             continue
-        why = _refusal(path, protect, overwrite)
+        why = _refusal(path, protect)
         if why:
             raise OutputError(why)
         if _is_stream(path):
@@ -139,11 +173,13 @@ def check_outputs(paths: Iterable[str | None], protect: Iterable[str] = (), over
 
 
 def write_output(path: str, data: str | bytes | Iterable[bytes], protect: Iterable[str] = (),
-                 overwrite: bool = False) -> int:
+                 overwrite: object = None) -> int:
     """Write ``data`` (text, bytes, or chunks of bytes produced while writing) at ``path``
-    atomically; return the number of bytes written. Checked again here, not only up front: an
-    analysis can take minutes, and the folder may change meanwhile."""
-    why = _refusal(path, list(protect), overwrite)
+    atomically, replacing a regular file there; return the number of bytes written. Checked again
+    here, not only up front: an analysis can take minutes, and the folder may change meanwhile.
+    ``overwrite`` is ignored (every output follows the rule)."""
+    protect = list(protect)
+    why = _refusal(path, protect)
     if why:
         raise OutputError(why)
     if isinstance(data, str):
@@ -175,7 +211,10 @@ def write_output(path: str, data: str | bytes | Iterable[bytes], protect: Iterab
                 written += len(chunk)
             f.flush()
             os.fsync(f.fileno())
-        _publish(tmp, path, overwrite)
+        why = _refusal(path, protect)  # (again: a trace may have appeared there while the data was written)
+        if why:
+            raise OutputError(why)
+        os.replace(tmp, path)  # replaces whatever is at path (even a link planted since), never follows it
     except OSError as e:
         _remove(tmp)
         raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
@@ -210,22 +249,6 @@ def _temporary(folder: str, name: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise OSError(errno.EEXIST, "no free name for a temporary file")
-
-
-def _publish(tmp: str, path: str, overwrite: bool) -> None:
-    if overwrite:
-        os.replace(tmp, path)  # replaces whatever is at path (even a link planted since), never follows it
-        return
-    try:
-        os.link(tmp, path)  # atomic, and fails if anything appeared at path since the check
-    except FileExistsError:
-        raise OutputError(f"{path} exists; give --force to overwrite it, or another path") from None
-    except OSError:  # a file system without hard links
-        if os.path.lexists(path):
-            raise OutputError(f"{path} exists; give --force to overwrite it, or another path") from None
-        os.replace(tmp, path)
-        return
-    _remove(tmp)
 
 
 def _remove(tmp: str) -> None:

@@ -32,6 +32,7 @@ SLOW_FILES = frozenset({
     "tests/cli/test_killed_and_multirank.py",
     "tests/cli/test_memory_snapshot.py",
     "tests/cli/test_output_safety.py",
+    "tests/cli/test_output_rule.py",
     "tests/cli/test_profile_and_step_time.py",
     "tests/cli/test_restarts_cli.py",
     "tests/hostile/test_fuzz_traces.py",

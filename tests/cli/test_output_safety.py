@@ -1,6 +1,5 @@
 """Every file the CLI writes goes only where the user asked (issue 20): never over a trace, never
-through a symbolic link, never over an existing file unless ``export --force`` says so, never
-half-written; and what ``export`` builds from a hostile trace is bounded and plain.
+through a symbolic link, never half-written (the rule for existing files: test_output_rule.py); and what ``export`` builds from a hostile trace is bounded and plain.
 
 Real CLI runs on copies of real traces (sample_traces/, and runs recorded here with CUDA memory
 snapshots fed through the recorder's own conversion, as tests/cli/test_memory_snapshot.py does).
@@ -85,16 +84,8 @@ def run_bounded(*args, mem_bytes=2**30, timeout=60):
 
 # -- where outputs go ----------------------------------------------------------------------------
 
-def test_export_keeps_an_existing_file_unless_forced(run, tmp_path):
-    out = tmp_path / "trace.json"
-    out.write_text("keep me")
-    r = run_cli("export", run, "--profile", out)
-    assert_one_line_error(r, "trace.json exists", "--force")
-    assert out.read_text() == "keep me"
-    r = run_cli("export", run, "--profile", out, "--force")
-    assert r.returncode == 0, r.stderr
-    assert "traceEvents" in out.read_text()
-    # two outputs at one path: the second would silently replace the first
+def test_two_outputs_at_one_path_are_refused(run, tmp_path):
+    """The second would silently replace the first."""
     r = run_cli("export", run, "--params", "last", tmp_path / "a.st", "--tensors", "last", tmp_path / "a.st")
     assert_one_line_error(r, "a.st is named twice")
     assert not (tmp_path / "a.st").exists() and not leftovers(tmp_path)
@@ -121,7 +112,7 @@ def test_never_writes_over_another_hdf5_file_even_with_force(run, tmp_path):
     shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", other)
     before = digest(other)
     for args in (["export", run, "--profile", other, "--force"], ["analyze", run, "--html", other]):
-        assert_one_line_error(run_cli(*args), "is an HDF5 file", "even with --force")
+        assert_one_line_error(run_cli(*args), "is an HDF5 file", "never writes over one")
     assert digest(other) == before
 
 
@@ -151,24 +142,27 @@ def test_analyze_still_overwrites_its_reports(run, tmp_path):
     assert not leftovers(tmp_path)
 
 
-def test_a_file_or_link_planted_after_the_check_is_not_written_through(tmp_path):
-    """The last step of a write, after the checks: without overwrite it fails if anything
-    appeared at the path meanwhile; with it, a link planted meanwhile is replaced, not followed."""
-    from torchautopsy.analyzer.output import OutputError, _publish
+def test_a_link_or_trace_planted_while_writing_is_not_written_through(tmp_path):
+    """The last step of a write, after the data: what appeared at the path meanwhile (a link, a
+    trace) is checked again, and neither followed nor replaced; the temporary file goes."""
+    from torchautopsy.analyzer.output import OutputError, write_output
 
-    for overwrite in (False, True):
-        tmp = tmp_path / f"new{overwrite}.tmp"
-        tmp.write_text("new")
-        target, link = tmp_path / "target.txt", tmp_path / f"out{overwrite}.json"
-        target.write_text("secret")
-        os.symlink(target, link)
-        if overwrite:
-            _publish(str(tmp), str(link), overwrite=True)
-            assert not os.path.islink(link) and link.read_text() == "new"
-        else:
-            with pytest.raises(OutputError, match="exists"):
-                _publish(str(tmp), str(link), overwrite=False)
-        assert target.read_text() == "secret"
+    target = tmp_path / "target.txt"
+    target.write_text("secret")
+    plant = {"link.json": lambda p: os.symlink(target, p),
+             "trace.json": lambda p: shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", p)}
+    for name, needle in (("link.json", "is a symbolic link"), ("trace.json", "is an HDF5 file")):
+        out = tmp_path / name
+
+        def chunks():
+            yield b"new "
+            plant[name](out)  # appears after the first check, while the data is written
+            yield b"data"
+
+        with pytest.raises(OutputError, match=needle):
+            write_output(str(out), chunks())
+        assert target.read_text() == "secret" and not leftovers(tmp_path)
+    assert digest(tmp_path / "trace.json") == digest(SAMPLES / "nan_birth" / "rank0.h5")
 
 
 def _append_blob(trace, data: bytes) -> None:
