@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import click
 
@@ -50,20 +51,28 @@ def _rank_files(run_dir: str) -> list[str]:
         return []  # loading it will say what is wrong
 
 
-# A run with more (step x tensor) cells than this is long: its analysis shows progress even when
-# stderr is not a terminal (a CI log). TORCHAUTOPSY_PROGRESS=1 / =0 forces the bar on / off.
+# A run with more (step x tensor) cells than this, or more rank files than MANY_FILES, is long: its
+# analysis shows progress even when stderr is not a terminal (a CI log). TORCHAUTOPSY_PROGRESS=1 /
+# =0 forces the bar on / off.
 LONG_RUN_CELLS = 50_000_000
+MANY_FILES = 256
 
 
 class _Progress:
-    """A progress bar on stderr (tqdm) for a long stage of the analysis; silent when disabled.
-    ``progress(done, total, what)`` moves it; ``close()`` clears it before anything is printed."""
+    """A progress bar on stderr (tqdm) for the long stages of a command (opening the rank files,
+    the analysis, the report), silent when disabled. ``progress(done, total, what)`` moves it (drawn
+    at most twice a second); ``close()`` clears it before anything is printed."""
 
-    def __init__(self, trace: Trace):
-        forced = os.environ.get("TORCHAUTOPSY_PROGRESS")
-        cells = sum(r.n_steps * max(len(r.param_names), 1) for r in trace.ranks.values())
-        self.enabled = forced == "1" or (forced != "0" and (sys.stderr.isatty() or cells > LONG_RUN_CELLS))
+    def __init__(self, n_files: int):
+        self.forced = os.environ.get("TORCHAUTOPSY_PROGRESS")
+        self.enabled = self.forced == "1" or (self.forced != "0" and (sys.stderr.isatty() or n_files > MANY_FILES))
         self.bar = None
+        self.drawn, self.stage = 0.0, ""
+
+    def long_run(self, trace: Trace) -> None:
+        """Enable the bar for a run whose tables are large (once its files are open)."""
+        cells = sum(r.n_steps * max(len(r.param_names), 1) for r in trace.ranks.values())
+        self.enabled = self.enabled or (self.forced != "0" and cells > LONG_RUN_CELLS)
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if not self.enabled:
@@ -75,6 +84,10 @@ class _Progress:
                             mininterval=0.5, dynamic_ncols=True)
         self.bar.total = total
         self.bar.n = done
+        stage = what.split(":")[0]
+        if done < total and stage == self.stage and time.monotonic() - self.drawn < 0.5:
+            return  # (10,000 ranks: a line a rank would flood a log)
+        self.drawn, self.stage = time.monotonic(), stage
         self.bar.set_postfix_str(what, refresh=False)
         self.bar.refresh()
 
@@ -82,6 +95,17 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _load(run_dir: str, n_files: int) -> tuple[Trace, _Progress]:
+    """The run, its files opened with a progress bar (thousands of ranks take minutes), and the bar."""
+    progress = _Progress(n_files)
+    try:
+        trace = load(run_dir, progress=progress)
+    finally:
+        progress.close()
+    progress.long_run(trace)
+    return trace, progress
 
 
 class StdoutGone(Exception):
@@ -213,8 +237,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     # The one rule of every output (output.py): a report replaces a file, never a trace or a link;
     # checked before a long analysis, not after.
     check_outputs((json_path, html_path, pdf_path, md_path), traces)
-    trace = load(run_dir)
-    progress = _Progress(trace)
+    trace, progress = _load(run_dir, len(traces))
     try:
         progress(0, 1, "running the detectors")
         findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)),
@@ -305,7 +328,7 @@ def _temporary_html(trace: Trace) -> str:
 @click.option("--color/--no-color", "colour", default=None, help=_COLOR_HELP)
 def info(run_dir, colour):
     """Describe RUN_DIR: ranks, steps, time span, what was recorded, size, versions."""
-    trace = load(run_dir)
+    trace, _ = _load(run_dir, len(_rank_files(run_dir)))
     from ..reports.terminal import info_lines
     from ..reports.terminal_style import style_for
 

@@ -30,6 +30,7 @@ SLOW_FILES = frozenset({
     "tests/cli/test_bad_input.py",
     "tests/cli/test_cli_conventions.py",
     "tests/cli/test_killed_and_multirank.py",
+    "tests/cli/test_many_rank_files.py",
     "tests/cli/test_memory_snapshot.py",
     "tests/cli/test_output_safety.py",
     "tests/cli/test_output_rule.py",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ..errors import SchemaVersionError, TraceFormatError, TraceNotFoundError
 from . import shards
@@ -10,6 +11,10 @@ from .attempts import Attempt, group, parse_name
 from .format import STARTING_SUFFIX
 from .probe import damaged
 from .rank import RankTrace
+
+Progress = Callable[[int, int, str], None]
+# Files decoded by one probing child before the progress moves (one fork a batch: ~1 ms).
+PROBE_BATCH = 64
 
 
 class Trace:
@@ -77,24 +82,38 @@ def _died_starting(path: str) -> dict[str, str]:
             and n[:-len(STARTING_SUFFIX)] not in names}
 
 
-def load(run_dir) -> Trace:
+def load(run_dir, progress: Progress | None = None) -> Trace:
     """Open a run directory (or one rank file) for reading.
 
     Raises a TraceError subclass with a one-line reason if nothing in it can be analyzed; a
     multi-rank run with some unreadable files loads the readable ones and lists the others in
-    ``Trace.unreadable``.
+    ``Trace.unreadable``. ``progress(done, total, what)`` is told as the files are checked and
+    opened (a run of thousands of ranks takes a while: the CLI shows a bar).
     """
     run_dir = os.fspath(run_dir)
-    return load_files(run_dir, trace_files(run_dir))
+    return load_files(run_dir, trace_files(run_dir), progress=progress)
 
 
-def load_files(run_dir: str, files: list[str], died_starting: bool = True, probed: bool = False) -> Trace:
+def load_files(run_dir: str, files: list[str], died_starting: bool = True, probed: bool = False,
+               progress: Progress | None = None) -> Trace:
     """load() of these rank files of ``run_dir`` (a worker reads one rank's: analyzer/parallel.py),
-    each decoded first in a child process with a deadline (probe.py) unless ``probed`` already."""
+    each decoded first in a child process with a deadline (probe.py) unless ``probed`` already.
+    The work is two passes over the files, each a fixed cost a file: decoding (probe.py) and
+    opening (RankTrace reads the names and checks the tables); ``progress`` is told of both."""
+    n = len(files)
     traces: list[RankTrace] = []
-    unreadable: dict[str, str] = {} if probed else damaged(files, [_size(p) for p in files])
+    unreadable: dict[str, str] = {}
+    if progress and not probed:
+        progress(0, 2 * n, f"rank files checked: 0 of {n:,}")
+    for start in range(0, 0 if probed else n, PROBE_BATCH):
+        batch = files[start:start + PROBE_BATCH]
+        unreadable.update(damaged(batch, [_size(p) for p in batch]))
+        if progress:
+            progress(start + len(batch), 2 * n, f"rank files checked: {start + len(batch):,} of {n:,}")
     first_error = TraceFormatError(next(iter(unreadable.values()))) if unreadable else None
-    for p in files:
+    for i, p in enumerate(files):
+        if progress:
+            progress(n + i, 2 * n, f"rank files opened: {i:,} of {n:,}")
         if p in unreadable:
             continue
         try:
