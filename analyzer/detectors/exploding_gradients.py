@@ -9,7 +9,13 @@ Two definitions, both from what the pathology is (Pascanu et al. 2013; He et al.
   steps above `sustained_ratio` x baseline, 100) is an error; a lone jump above `spike_ratio`
   (1000) x baseline is a warning. The event is dated where the norm first stood `onset_factor`
   (30) x above the healthy steps just before it, and the parameters named are those whose own
-  gradient norm grew most there.
+  gradient norm grew most there. A blow-up inside the baseline's own steps (a learning rate ~1000x
+  too high: the first update moves every weight, the next step's norm is 1e3-1e4x the first)
+  would be taken for the run's level; so where, within those steps, the norm stands
+  `sustained_ratio` x above the steps before it for `window` steps while the loss stands
+  EARLY_RATIO (3) x above its first value (loss_divergence's early rise: what tells it from a
+  zero-initialised layer, whose gradient is ~0 at step 0 while the loss falls), the baseline is
+  the steps before the jump.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ..trace import RankTrace
 from ._exploding_at_init import detect_at_init
 from ._missing import no_gradients
 from ._schedule import LrEvidence, lr_context
+from .loss_divergence import EARLY_RATIO
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ def _measure_growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> tuple[str, 
     n_base = int(np.clip(len(total) // 10, cfg.baseline_min_steps, cfg.baseline_max_steps))
     if len(idx) < n_base + 1:
         return None
-    base_idx = idx[:n_base]
+    base_idx = _before_early_jump(total, rt.columns["loss"].to_numpy(dtype=np.float64), idx[:n_base], cfg)
     baseline = float(np.median(total[base_idx]))
     # Non-finite norms count as unbounded growth: the explosion ended in overflow.
     ratio = np.where(np.isnan(total), np.nan, total / baseline)
@@ -178,6 +185,24 @@ def _measure_growth(rt: RankTrace, cfg: ExplodingGradientsConfig) -> tuple[str, 
         "threshold_ratio": cfg.sustained_ratio if severity == "error" else cfg.spike_ratio,
     }
     return severity, i, evidence, [rt.param_names[j] for j in top]
+
+
+def _before_early_jump(total: np.ndarray, loss: np.ndarray, base_idx: np.ndarray,
+                       cfg: ExplodingGradientsConfig) -> np.ndarray:
+    """The baseline's rows, cut before a blow-up inside them: the first row whose norm and the
+    next `window` rows' median stand `sustained_ratio` x above the median of the rows before
+    it, while the loss's median over those rows stands EARLY_RATIO x above the first row's."""
+    for k in range(1, len(base_idx)):
+        i = base_idx[k]
+        level = float(np.median(total[base_idx[:k]]))
+        ahead = total[i:i + cfg.window]
+        if not (level > 0 and total[i] >= cfg.sustained_ratio * level and len(ahead) == cfg.window
+                and np.median(ahead) >= cfg.sustained_ratio * level):
+            continue
+        first_loss, later = loss[base_idx[0]], loss[i:i + cfg.window]
+        if np.isfinite(first_loss) and first_loss > 0 and np.median(later) >= EARLY_RATIO * first_loss:
+            return base_idx[:k]
+    return base_idx
 
 
 def _crossing(ratio: np.ndarray, after: np.ndarray, cfg: ExplodingGradientsConfig) -> tuple[str, int] | None:
