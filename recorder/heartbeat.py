@@ -62,8 +62,13 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="torchautopsy-heartbeat", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the thread and wait for it to end (it wakes at once), so that no thread of ours
+        is left for the interpreter's shutdown. Bounded: a SIGTERM handler may call this while
+        the training thread it interrupted holds a lock the heartbeat waits for."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         rec = self._rec

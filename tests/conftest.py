@@ -37,6 +37,7 @@ SLOW_FILES = frozenset({
     "tests/cli/test_profile_and_step_time.py",
     "tests/cli/test_restarts_cli.py",
     "tests/hostile/test_fuzz_traces.py",
+    "tests/integrations/test_ddp_exit_status.py",
     "tests/integrations/test_huggingface.py",
     "tests/integrations/test_huggingface_models.py",
     "tests/integrations/test_lightning.py",
