@@ -414,3 +414,6 @@ def _memory_snapshot(rt, which, rank, path):
 
 if __name__ == "__main__":
     main()
+
+
+from . import cli_diff  # noqa: E402,F401  (the diff command, registered on `cli`)

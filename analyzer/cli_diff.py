@@ -1,0 +1,66 @@
+"""``torchautopsy diff RUN_A RUN_B``: where and when B parts from A, and what in their setup
+differs (analyzer/diff/). Registered on the command group of cli.py, whose conventions it keeps:
+one line and exit code 2 for unusable input, '-' for --json or --md writes it to stdout, every
+output follows output.py's rule; exit 1 under ``--fail-on parted`` when B parts from A."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .cli import _dash_outputs, _echo_to, _load, _rank_files, cli
+from .diff import diff_runs
+from .output import check_outputs, write_output, write_stdout
+from .parallel import workers_for
+from .run import analyze as run_detectors
+
+
+@cli.command(short_help="Compare run B with run A (the one that worked): where B parts, what differs.")
+@click.argument("run_a", type=click.Path())
+@click.argument("run_b", type=click.Path())
+@click.option("--rank", type=int, default=None,
+              help="Which rank of each (default: the only one; runs of several ranks: the lowest both hold).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write the comparison as JSON (identical, parted, setup, new_findings). '-': to stdout.")
+@click.option("--md", "md_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write a Markdown report to paste into a ticket. '-': to stdout.")
+@click.option("--fail-on", type=click.Choice(["parted", "none"]), default="none", show_default=True,
+              help="Exit 1 when B parts from A (a training-regression gate for CI).")
+@click.option("--color/--no-color", "colour", default=None, help="Colour (default: only on a terminal).")
+def diff(run_a, run_b, rank, json_path, md_path, fail_on, colour):
+    """Compare RUN_B (the suspect) with RUN_A (the reference, the run that worked): the setup
+    differences (model, optimizer, schedule, precision, batch, versions), the first step and the
+    first recorded value where B parts from A, and the findings only one of them has."""
+    to_stdout = _dash_outputs(json_path, None, None, md_path)
+    human = sys.stderr if to_stdout else sys.stdout
+    files = _rank_files(run_a) + _rank_files(run_b)
+    check_outputs((None if to_stdout == "json" else json_path, None if to_stdout == "md" else md_path), files)
+    a, _ = _load(run_a, len(_rank_files(run_a)))
+    b, _ = _load(run_b, len(_rank_files(run_b)))
+    findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts))) for t in (a, b))
+    result = diff_runs(a, b, rank, findings=findings)
+
+    from ..reports.diff_text import diff_lines, render_diff_markdown
+    from ..reports.terminal_style import style_for
+
+    echo = _echo_to(human, style_for(human, colour).colour)
+    for line in diff_lines(result, a.run_dir, b.run_dir):
+        echo(line)
+    if json_path:
+        text = json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n"
+        if to_stdout == "json":
+            write_stdout(text)
+        else:
+            write_output(json_path, text, files)
+            echo(f"wrote {json_path}")
+    if md_path:
+        text = render_diff_markdown(result, a.run_dir, b.run_dir)
+        if to_stdout == "md":
+            write_stdout(text)
+        else:
+            write_output(md_path, text, files)
+            echo(f"wrote {md_path}")
+    if fail_on == "parted" and result.parted is not None:
+        sys.exit(1)

@@ -1,0 +1,255 @@
+"""Where two runs' trajectories part: the first step, and within it the first recorded value in
+the order the step computes them (the batch, the forward in module order, the loss, the backward
+from the last parameter to the first, the learning rate and the updated weights).
+
+Two regimes. Runs of one seed and one data order (the batch of their first common step is the
+same to the bit) are compared exactly: the first value that differs at all is where they part,
+unless it differs by rounding only (under ``EXACT_TOLERANCE``: nondeterministic kernels), in which
+case they are judged as the second regime. Runs of other seeds differ everywhere by noise: each
+series' own noise is estimated from its step-to-step variation (the median |change| of its log,
+both runs, per block of steps), and B parts from A where their log ratio stays beyond
+``Z`` x that noise and at least ``MIN_RATIO`` x for ``SUSTAIN`` values in a row (a learning rate,
+which has no noise: at its first difference). The steps are read a block at a time, both runs
+aligned by step number, and reading stops once the earliest parting cannot move.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..trace import RankTrace
+
+EXACT_TOLERANCE = 1e-3  # relative: a first difference smaller than this is rounding, not a change
+Z = 4.0  # how many of a series' noise the log ratio must stand beyond
+MIN_RATIO = 2.0  # ... and at least this ratio: two seeds of one recipe differ by less (measured in tests)
+SUSTAIN = 5  # values in a row (every-step series)
+SUSTAIN_WATCHED = 3  # values in a row of a series recorded on watched steps only (module outputs)
+# Parameters of fewer elements are not judged between seeds: the norm of a 1-element bias is that
+# element, drawn anew by each seed and free to cross 0 (two healthy seeds: 0.68 and 3e-4).
+MIN_NUMEL = 64
+BLOCK = 1 << 14  # common steps read at a time
+_STAGES = ("batch", "forward", "loss", "backward", "update")
+_BATCH = (("input_mean", "mean"), ("input_std", "std"), ("input_max", "max"), ("input_min", "min"))
+
+
+@dataclass(frozen=True)
+class Parting:
+    step: int
+    stage: str  # batch | forward | loss | backward | update
+    what: str  # "gradient norm of fc1.weight"
+    where: list
+    a: float
+    b: float
+    exact: bool  # found in the exact regime (the first value that differs at all)
+
+    @property
+    def ratio(self) -> float:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = abs(self.b) / abs(self.a) if self.a != 0 else math.inf
+        return float(r) if math.isfinite(r) else (math.inf if self.b != 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class _Series:
+    order: int  # position in the step's order
+    stage: str
+    what: str
+    where: list
+    sustain: int
+    noiseless: bool  # (the learning rate: any difference is one)
+    numel: int  # elements of the parameter (0: not a parameter's series)
+
+
+class _Group:
+    """Columns of one table both runs hold, in the step's order: A's and B's column index each."""
+
+    def __init__(self, stage, series, cols_a, cols_b, table):
+        self.stage, self.series, self.cols_a, self.cols_b, self.table = stage, series, cols_a, cols_b, table
+
+
+def _groups(a: RankTrace, b: RankTrace) -> list[_Group]:
+    groups = []
+    order = 0
+    pa = {p: k for k, p in enumerate(a.param_names)}
+
+    def add(stage, items, read, sustain=SUSTAIN, noiseless=False):
+        nonlocal order
+        series = []
+        for what, where in items:
+            numel = int(a.param_numel[pa[where[0]]]) if where and where[0] in pa else 0
+            series.append(_Series(order, stage, what, where, sustain, noiseless, numel))
+            order += 1
+        groups.append(_Group(stage, series, *read))
+
+    steps_cols = [(c, w) for c, w in _BATCH]
+    add("batch", [(f"batch {w}", []) for _, w in steps_cols],
+        ([c for c, _ in steps_cols], [c for c, _ in steps_cols], "steps"))
+    # The forward: modules in definition order (a module's submodules before its own output
+    # completes would be closer, but definition order is what a reader scans), the model last.
+    mb = {m: k for k, m in enumerate(b.module_names)}
+    mods = [(k, mb[m]) for k, m in enumerate(a.module_names) if k > 0 and m in mb]
+    if a.module_names and a.module_names[0] in mb:
+        mods.append((0, mb[a.module_names[0]]))
+    add("forward", [(f"output of {a.module_names[k] or '(model)'} (max |x|)", [a.module_names[k]]) for k, _ in mods],
+        ([k for k, _ in mods], [j for _, j in mods], "modules/output_absmax"), sustain=SUSTAIN_WATCHED)
+    add("loss", [("loss", [])], (["loss"], ["loss"], "steps"))
+    pb = {p: k for k, p in enumerate(b.param_names)}
+    params = [(k, pb[p]) for k, p in enumerate(a.param_names) if p in pb]
+    back = params[::-1]  # the backward reaches the last parameters first
+    add("backward", [(f"gradient norm of {a.param_names[k]}", [a.param_names[k]]) for k, _ in back],
+        ([k for k, _ in back], [j for _, j in back], "params/grad_norm"))
+    add("update", [("learning rate", [])], (["lr"], ["lr"], "steps"), noiseless=True)
+    add("update", [(f"weight norm of {a.param_names[k]}", [a.param_names[k]]) for k, _ in params],
+        ([k for k, _ in params], [j for _, j in params], "params/param_norm"))
+    return groups
+
+
+def _rows(idx: np.ndarray):
+    """A slice where the rows run on (the common case: the same steps in both), else the rows."""
+    if len(idx) and idx[-1] - idx[0] == len(idx) - 1:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _block(rt: RankTrace, group: _Group, which: int, rows: np.ndarray) -> np.ndarray:
+    cols = group.cols_a if which == 0 else group.cols_b
+    table = group.table
+    if table == "steps":
+        return np.stack([rt.columns[c].to_numpy(dtype=np.float64)[rows] for c in cols], axis=1)
+    stat = table.split("/")[1]
+    frame = rt.param_stat(stat, rows=_rows(rows)) if table.startswith("params") else rt.module_rows(stat, rows=_rows(rows))
+    data = frame.to_numpy(dtype=np.float64)
+    return data[:, cols] if cols else np.zeros((len(rows), 0))
+
+
+def common_steps(a: RankTrace, b: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.intersect1d(a.step_index, b.step_index, assume_unique=True, return_indices=True)
+
+
+def exact_regime(a: RankTrace, b: RankTrace) -> bool:
+    """The batch of the first common step is the same to the bit (older traces, which lack the
+    batch's statistics: the loss of that step is)."""
+    steps, ia, ib = common_steps(a, b)
+    if not len(steps):
+        return False
+    va = np.array([a.columns[c].to_numpy(dtype=np.float64)[ia[0]] for c, _ in _BATCH])
+    vb = np.array([b.columns[c].to_numpy(dtype=np.float64)[ib[0]] for c, _ in _BATCH])
+    if np.isnan(va).all() and np.isnan(vb).all():
+        va = a.columns["loss"].to_numpy(dtype=np.float64)[ia[:1]]
+        vb = b.columns["loss"].to_numpy(dtype=np.float64)[ib[:1]]
+    return bool(np.isfinite(va).all() and np.array_equal(va, vb))
+
+
+def _comparable(x: np.ndarray, y: np.ndarray, table: str) -> np.ndarray:
+    """Where both runs measured the value (-1 in a per-step table of measured values: not measured)."""
+    if table == "steps":
+        return np.ones(x.shape, dtype=bool)
+    return (x != -1) & (y != -1)
+
+
+def first_difference(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting | None:
+    """The first value, in step order, that differs at all (NaN equal to NaN)."""
+    steps, ia, ib = common_steps(a, b)
+    groups = [g for g in _groups(a, b) if g.stage in stages]
+    for s in range(0, len(steps), BLOCK):
+        ra, rb = ia[s:s + BLOCK], ib[s:s + BLOCK]
+        best = None  # (row, order, series, a, b)
+        for g in groups:
+            if not g.series:
+                continue
+            x, y = _block(a, g, 0, ra), _block(b, g, 1, rb)
+            differ = _comparable(x, y, g.table) & (x != y) & ~(np.isnan(x) & np.isnan(y))
+            hit = np.argwhere(differ)
+            if not hit.size:
+                continue
+            row = int(hit[:, 0].min())
+            col = int(hit[hit[:, 0] == row][:, 1].min())
+            key = (row, g.series[col].order)
+            if best is None or key < best[:2]:
+                best = (row, g.series[col].order, g.series[col], float(x[row, col]), float(y[row, col]))
+        if best is not None:
+            row, _, ser, va, vb = best
+            return Parting(int(steps[s + row]), ser.stage, ser.what, ser.where, va, vb, True)
+    return None
+
+
+def statistical_parting(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting | None:
+    """The first step where B leaves A's noise band for a sustained stretch (see the docstring)."""
+    steps, ia, ib = common_steps(a, b)
+    groups = [g for g in _groups(a, b) if g.series and g.stage in stages]
+    # Per series: the length of the stretch beyond the band still open, and where it began.
+    state: dict[int, tuple] = {}
+    best = None  # (step, order, Parting)
+    for s in range(0, len(steps), BLOCK):
+        if best is not None and steps[s] > best[0]:
+            break  # nothing that starts later can be earlier
+        ra, rb = ia[s:s + BLOCK], ib[s:s + BLOCK]
+        for g in groups:
+            x, y = _block(a, g, 0, ra), _block(b, g, 1, rb)
+            ok = _comparable(x, y, g.table) & np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                la, lb = np.log(np.where(ok, x, 1.0)), np.log(np.where(ok, y, 1.0))
+            for c, ser in enumerate(g.series):
+                rows = np.flatnonzero(ok[:, c])
+                if not rows.size or 0 < ser.numel < MIN_NUMEL:
+                    continue
+                r = lb[rows, c] - la[rows, c]
+                if ser.noiseless:
+                    beyond = np.abs(r) > 1e-6
+                else:
+                    noise = max(_noise(la[rows, c]), _noise(lb[rows, c]))
+                    beyond = np.abs(r) >= max(Z * math.sqrt(2.0) * noise, math.log(MIN_RATIO))
+                at = steps[s:s + BLOCK][rows]
+                found = _stretch(beyond, ser.sustain, state, ser.order, at, x[rows, c], y[rows, c])
+                if found is not None:
+                    step, va, vb = found
+                    key = (step, ser.order)
+                    if best is None or key < best[:2]:
+                        best = (*key, Parting(key[0], ser.stage, ser.what, ser.where, va, vb, False))
+    return best[2] if best is not None else None
+
+
+def loss_parting(a: RankTrace, b: RankTrace, exact: bool) -> Parting | None:
+    """Where the loss alone parted, in the regime the runs were judged in."""
+    return first_difference(a, b, ("loss",)) if exact else statistical_parting(a, b, ("loss",))
+
+
+def _noise(logs: np.ndarray) -> float:
+    """A series' step-to-step noise: the median |change| of its log, as one value's std."""
+    if len(logs) < 3:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(np.diff(logs))) / math.sqrt(2.0))
+
+
+def _stretch(beyond: np.ndarray, sustain: int, state: dict, key: int, at: np.ndarray, x: np.ndarray,
+             y: np.ndarray) -> tuple[int, float, float] | None:
+    """(step, A's, B's value) where a stretch of `sustain` values beyond the band began, carried
+    over from the block before; None if none completes in this block. ``at``: the steps of the
+    block's values. The series is done once one is found."""
+    n, opened = state.get(key, (0, None))
+    if n < 0:
+        return None
+    if not beyond.size:
+        return None
+    seq = np.concatenate([np.ones(n, dtype=np.int64), beyond.astype(np.int64)])
+    if len(seq) >= sustain:
+        window = np.convolve(seq, np.ones(sustain, dtype=np.int64), "valid")
+        full = np.flatnonzero(window == sustain)
+        if full.size:
+            state[key] = (-1, None)
+            j = int(full[0]) - n  # (negative: the stretch began in an earlier block)
+            return opened if j < 0 else (int(at[j]), float(x[j]), float(y[j]))
+    # No stretch completed: carry the open one (its length, where it began) to the next block.
+    falses = np.flatnonzero(~beyond)
+    if falses.size:  # the open stretch (if any) began after the last value inside the band
+        tail = len(beyond) - 1 - int(falses[-1])
+        j = int(falses[-1]) + 1
+        opened = (int(at[j]), float(x[j]), float(y[j])) if tail else None
+    else:  # every value beyond: the stretch goes on (from the block before, or from here)
+        tail = n + len(beyond)
+        opened = opened if n else (int(at[0]), float(x[0]), float(y[0]))
+    state[key] = (tail, opened if tail else None)
+    return None

@@ -1,0 +1,93 @@
+"""diff: pairs of real recorded runs (a small MLP regression, and transformers' GPT-2) compared
+by diff_runs: identical twins, a setup change, a layer initialised larger, inputs rescaled
+mid-run, an lr spike, other seeds (the same within noise), runs of other lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.training import squared_error, train
+from torchautopsy import load
+from torchautopsy.analyzer.diff import diff_runs
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def _run(path, seed=0, steps=80, lr=0.01, init=None, scale_from=None, lr_at=None):
+    torch.manual_seed(seed)
+    model = _mlp()
+    if init is not None:
+        init(model)
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(99))  # the task: the same in every run
+
+    def batch(step):
+        g = torch.Generator().manual_seed(seed * 100_000 + step)
+        x = torch.randn(32, 16, generator=g)
+        y = x @ w + 0.1 * torch.randn(32, 1, generator=g)
+        if scale_from is not None and step >= scale_from:
+            x = x * 10  # a pipeline change: raw units from here on
+        return x, y
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    train(model, str(path), steps, batch, squared_error, optimizer=opt, lr_at=lr_at)
+    return load(str(path))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("a"))
+
+
+def test_two_seeded_runs_are_identical(reference, tmp_path):
+    d = diff_runs(reference, _run(tmp_path))
+    assert d.identical and d.parted is None, d.verdict()
+    assert d.to_dict() == {"identical": True, "parted": None, "setup": [], "new_findings": {"a": [], "b": []}}
+
+
+def test_an_lr_doubled_is_a_setup_difference_and_parts_at_once(reference, tmp_path):
+    d = diff_runs(reference, _run(tmp_path, lr=0.02))
+    assert {"name": "lr", "a": 0.01, "b": 0.02} in d.setup, d.setup
+    assert d.parted is not None and d.parted.step == 0 and d.parted.what == "learning rate", d.verdict()
+
+
+def test_a_layer_initialised_3x_larger_is_named_at_step_0(reference, tmp_path):
+    def bigger(model):
+        with torch.no_grad():
+            model[2].weight.mul_(3)
+
+    d = diff_runs(reference, _run(tmp_path, init=bigger))
+    assert d.parted.step == 0 and d.parted.where == ["2"], d.verdict()
+    assert 2.0 < d.parted.ratio < 4.5, d.parted
+    assert d.to_dict()["parted"]["where"] == ["2"]
+
+
+def test_inputs_scaled_10x_part_in_the_batch_before_any_module(reference, tmp_path):
+    d = diff_runs(reference, _run(tmp_path, scale_from=30))
+    assert d.parted.step == 30 and d.parted.stage == "batch" and d.parted.where == [], d.verdict()
+    assert 9 < d.parted.ratio < 11
+
+
+def test_an_lr_spike_at_60_parts_at_60_in_the_lr(reference, tmp_path):
+    d = diff_runs(reference, _run(tmp_path, lr_at=lambda s: 0.5 if s in (60, 61) else 0.01))
+    assert d.parted.step == 60 and d.parted.what == "learning rate", d.verdict()
+    assert d.loss_parted is not None and d.loss_parted.step == 61  # the loss follows a step later
+    assert "1 step(s) before its loss" in d.verdict()
+
+
+def test_other_seeds_are_the_same_within_noise(reference, tmp_path):
+    for seed in (1, 2):
+        d = diff_runs(reference, _run(tmp_path / str(seed), seed=seed))
+        assert not d.identical and d.parted is None, d.verdict()
+        assert "within their noise" in d.verdict()
+
+
+def test_runs_of_other_lengths_align_by_step(reference, tmp_path):
+    d = diff_runs(reference, _run(tmp_path, steps=50))
+    assert d.identical and d.common_steps == 50
+    # A longer than B, changed only after B's last step: identical over the 80 steps they share.
+    d = diff_runs(_run(tmp_path / "long", steps=120, scale_from=100), reference)
+    assert d.identical and d.common_steps == 80, d.verdict()

@@ -1,0 +1,64 @@
+"""`torchautopsy diff RUN_A RUN_B` as a user runs it (the real CLI in a subprocess, without torch,
+on the shipped sample traces): the JSON contract, --fail-on parted, the Markdown report, and
+one line with exit code 2 for what cannot be compared."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import SAMPLES, run_cli
+
+HEALTHY = SAMPLES / "healthy_mlp"
+BLOWN = SAMPLES / "exploding_lr"  # the same MLP, SGD at lr 0.025: diverges and goes NaN
+RANKS = SAMPLES / "ddp_straggler"  # 4 ranks
+
+
+def test_a_run_against_itself_is_identical_and_passes_the_gate(tmp_path):
+    out = tmp_path / "d.json"
+    r = run_cli("diff", HEALTHY, HEALTHY, "--json", out, "--fail-on", "parted", block_torch=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text()) == {"identical": True, "parted": None, "setup": [],
+                                           "new_findings": {"a": [], "b": []}}
+    assert "B is identical to A, to the bit, over the 300 step(s) both recorded." in r.stdout
+
+
+def test_a_blown_up_run_parts_and_fails_the_gate(tmp_path):
+    r = run_cli("diff", HEALTHY, BLOWN, "--json", "-", "--fail-on", "parted", "--md", tmp_path / "d.md")
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"identical", "parted", "setup", "new_findings"}
+    assert doc["identical"] is False
+    p = doc["parted"]
+    assert set(p) == {"step", "where", "what", "ratio"} and p["step"] == 0 and p["where"] == []
+    assert p["what"].startswith("learning rate") and p["ratio"] == 25.0
+    assert {"name": "optimizer", "a": "Adam", "b": "SGD"} in doc["setup"]
+    assert {"name": "lr", "a": 0.001, "b": 0.025} in doc["setup"]
+    new_b = {f["kind"] for f in doc["new_findings"]["b"]}
+    assert {"nonfinite", "exploding_gradients"} <= new_b and doc["new_findings"]["a"] == []
+    assert all(set(f) >= {"kind", "severity", "step", "where", "summary", "evidence", "advice"}
+               for f in doc["new_findings"]["b"])
+    md = (tmp_path / "d.md").read_text()
+    assert "**Verdict:** B parts from A at step 0, first in the learning rate" in md
+    assert "| optimizer | Adam | SGD |" in md
+    # The terminal report went to stderr (stdout holds the JSON alone).
+    assert "B parts from A at step 0" in r.stderr and "New in B:" in r.stderr
+
+
+def test_ranks_are_chosen_or_refused_in_one_line(tmp_path):
+    r = run_cli("diff", HEALTHY, RANKS)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert r.stderr.startswith("Error: A has 1 rank(s) and B 4: give --rank R")
+    r = run_cli("diff", RANKS, RANKS, "--rank", "2", "--json", "-")
+    assert r.returncode == 0 and json.loads(r.stdout)["identical"] is True, r.stderr
+    assert "[rank 2, 150 steps]" in r.stderr
+    r = run_cli("diff", RANKS, RANKS, "--rank", "7")
+    assert r.returncode == 2 and "has no rank 7 (it has 0, 1, 2, 3)" in r.stderr
+
+
+def test_what_is_not_a_run_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a trace")
+    for args in ((HEALTHY, tmp_path / "missing"), (tmp_path / "notes.txt", HEALTHY), (HEALTHY,)):
+        r = run_cli("diff", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith("Error") and r.stderr.strip().count("\n") == 0, r.stderr
+        assert "Traceback" not in r.stderr
