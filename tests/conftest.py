@@ -10,6 +10,9 @@ from __future__ import annotations
 import pytest
 
 SLOW_FILES = frozenset({
+    "tests/cli/test_diff_cli.py",
+    "tests/analyzer/test_reused_module_calls.py",
+    "tests/analyzer/test_diff_runs.py",
     "tests/analyzer/detectors/test_cross_rank.py",
     "tests/analyzer/detectors/test_input_data.py",
     "tests/analyzer/detectors/test_params_not_learning.py",

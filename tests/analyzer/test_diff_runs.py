@@ -91,3 +91,35 @@ def test_runs_of_other_lengths_align_by_step(reference, tmp_path):
     # A longer than B, changed only after B's last step: identical over the 80 steps they share.
     d = diff_runs(_run(tmp_path / "long", steps=120, scale_from=100), reference)
     assert d.identical and d.common_steps == 80, d.verdict()
+
+
+def _gpt2(path, seed: int, merge_at=None):
+    """transformers' GPT-2 (2 layers), AdamW with warm-up, its own seed for init and data;
+    ``merge_at``: from that step block 1's MLP input weights are 4x (a bad checkpoint merge)."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+
+    def before(step):
+        if step == merge_at:
+            with torch.no_grad():
+                model.transformer.h[1].mlp.c_fc.weight.mul_(4)
+
+    def batch(step):
+        ids = torch.randint(0, 64, (8, 32), generator=g)
+        return ids.sort(dim=1).values  # a learnable task: sorted tokens
+
+    train(model, str(path), 80, batch, lambda out: out.logits[:, :-1].flatten(0, 1).log_softmax(-1).mean().neg(),
+          optimizer=opt, before_step=before, lr_at=lambda s: 1e-3 * min(1.0, (s + 1) / 10))
+    return load(str(path))
+
+
+def test_gpt2_seeds_are_the_same_and_a_bad_merge_parts_where_it_happened(tmp_path):
+    a = _gpt2(tmp_path / "a", seed=0)
+    d = diff_runs(a, _gpt2(tmp_path / "b", seed=1))
+    assert d.parted is None and not d.identical, d.verdict()
+    d = diff_runs(a, _gpt2(tmp_path / "c", seed=1, merge_at=40))
+    assert d.parted is not None and 40 <= d.parted.step <= 42, d.verdict()
+    assert d.parted.where and d.parted.where[0].startswith("transformer.h.1.mlp"), d.verdict()
