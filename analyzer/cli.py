@@ -412,8 +412,10 @@ def _memory_snapshot(rt, which, rank, path):
             f"CUDA memory snapshot {n} of rank {rank} ({row['reason']}, step {int(row['step']):,})")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # (python -m torchautopsy.analyzer.cli: the imported module holds every command)
+    from torchautopsy.analyzer import cli as _imported
+
+    _imported.main()
 
 
 from . import cli_diff  # noqa: E402,F401  (the diff command, registered on `cli`)

@@ -38,9 +38,11 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=200)
     ap.add_argument("--modules", type=int, default=None, help="default: as many as parameters")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--levels-seed", type=int, default=None,
+                    help="draw the layers' levels from this seed, the noise from --seed (default: --seed)")
     ap.add_argument("--explode-at", type=int, default=None, help="step where gradients start to explode")
     a = ap.parse_args()
-    write(a.out_dir, a.steps, a.params, a.modules or a.params, a.seed, a.explode_at)
+    write(a.out_dir, a.steps, a.params, a.modules or a.params, a.seed, a.explode_at, a.levels_seed)
 
 
 # The recorder's default schedules (recorder/config.py).
@@ -53,7 +55,7 @@ NAN_AFTER = 300  # steps from the start of an explosion to NaN
 
 
 def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int = 0,
-          explode_at: int | None = None) -> str:
+          explode_at: int | None = None, levels_seed: int | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "rank0.h5")
     rng = np.random.default_rng(seed)
@@ -78,8 +80,10 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
     }
     w = TraceWriter(path, attrs, static, table_layout(n_params, n_modules), flush_every_s=3600.0,
                     write_every_steps=1 << 30, queue_size=16)
-    level = 10 ** rng.uniform(-3, 0, n_params)  # each parameter's typical gradient norm
-    weight = 10 ** rng.uniform(0, 1.5, n_params)
+    # Each parameter's typical gradient and weight norm: one model, whatever the noise's seed.
+    lrng = rng if levels_seed is None else np.random.default_rng(levels_seed)
+    level = 10 ** lrng.uniform(-3, 0, n_params)
+    weight = 10 ** lrng.uniform(0, 1.5, n_params)
     relu_modules = list(range(1, n_modules, 2))
     w.write_columns("activity_sites", {
         "module": np.array(relu_modules), "function": np.array(["relu"] * len(relu_modules), dtype=object),
