@@ -74,7 +74,8 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
     step_s = matrix(digests, lambda d: d.step_s, steps)
     med_step = np.nanmedian(step_s, axis=0)
     # Against the median of the other ranks (with two ranks, the other one's).
-    excess = np.stack([own[i] - np.nanmedian(np.delete(own, i, axis=0), axis=0) for i in range(len(ranks))])
+    excess = own - median_of_others(own)
+    phase_med = {p: np.nanmedian(ph[p], axis=0) for p in OWN_PHASES}  # (the median rank's, per step)
     slow = excess >= np.maximum(cfg.min_excess_s, cfg.min_excess_share * med_step)
     findings = []
     w = max(1, min(cfg.window, len(steps)))
@@ -93,7 +94,7 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
         start = int(sustained[0]) if len(sustained) else windows[0] + int(np.argmax(slow[i, windows[0]:windows[0] + w]))
         mask = slow[i].copy()
         mask[:start] = False
-        phase_excess = {p: np.nanmedian(ph[p][i, mask] - np.nanmedian(ph[p][:, mask], axis=0)) for p in OWN_PHASES}
+        phase_excess = {p: np.nanmedian(ph[p][i, mask] - phase_med[p][mask]) for p in OWN_PHASES}
         phase = max(phase_excess, key=lambda p: phase_excess[p])
         others = [k for k in range(len(ranks)) if k != i]
         before = ~mask & (np.arange(len(steps)) < start)
@@ -112,6 +113,29 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
              "others_wait_s": wait},
             _ADVICE[phase], rank=r))
     return findings
+
+
+def median_of_others(x: np.ndarray) -> np.ndarray:
+    """Per column of ``x`` (ranks x steps), each row's median of the other rows' values, NaN
+    skipped (np.nanmedian of x without that row; NaN where the others have no value): exactly,
+    from one sort of each column, not one median per row (ranks^2 x steps)."""
+    n = x.shape[0]
+    order = np.argsort(x, axis=0, kind="stable")  # (NaN last)
+    ordered = np.take_along_axis(x, order, axis=0)
+    pos = np.empty_like(order)  # each row's place in its column's order
+    np.put_along_axis(pos, order, np.arange(n)[:, None], axis=0)
+    present = ~np.isnan(x)
+    others = present.sum(axis=0) - present  # values among the other rows
+    # The k-th smallest of the others: the k-th of the column, one further from the row's own place on.
+
+    def kth(k):
+        k = np.where(present & (k >= pos), k + 1, k)
+        return np.take_along_axis(ordered, np.clip(k, 0, n - 1), axis=0)
+
+    with np.errstate(invalid="ignore"):
+        med = (kth((others - 1) // 2) + kth(others // 2)) / 2
+    med[others == 0] = np.nan
+    return med
 
 
 _ADVICE = {
