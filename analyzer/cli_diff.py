@@ -24,19 +24,22 @@ from .run import analyze as run_detectors
               help="Which rank of each (default: the only one; runs of several ranks: the lowest both hold).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write the comparison as JSON (identical, parted, setup, new_findings). '-': to stdout.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="Write a self-contained HTML report (A and B overlaid, the parting marked, the setup).")
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write a Markdown report to paste into a ticket. '-': to stdout.")
 @click.option("--fail-on", type=click.Choice(["parted", "none"]), default="none", show_default=True,
               help="Exit 1 when B parts from A (a training-regression gate for CI).")
 @click.option("--color/--no-color", "colour", default=None, help="Colour (default: only on a terminal).")
-def diff(run_a, run_b, rank, json_path, md_path, fail_on, colour):
+def diff(run_a, run_b, rank, json_path, html_path, md_path, fail_on, colour):
     """Compare RUN_B (the suspect) with RUN_A (the reference, the run that worked): the setup
     differences (model, optimizer, schedule, precision, batch, versions), the first step and the
     first recorded value where B parts from A, and the findings only one of them has."""
-    to_stdout = _dash_outputs(json_path, None, None, md_path)
+    to_stdout = _dash_outputs(json_path, html_path, None, md_path)
     human = sys.stderr if to_stdout else sys.stdout
     files = _rank_files(run_a) + _rank_files(run_b)
-    check_outputs((None if to_stdout == "json" else json_path, None if to_stdout == "md" else md_path), files)
+    check_outputs((None if to_stdout == "json" else json_path, html_path, None if to_stdout == "md" else md_path),
+                  files)
     a, _ = _load(run_a, len(_rank_files(run_a)))
     b, _ = _load(run_b, len(_rank_files(run_b)))
     findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts))) for t in (a, b))
@@ -55,6 +58,11 @@ def diff(run_a, run_b, rank, json_path, md_path, fail_on, colour):
         else:
             write_output(json_path, text, files)
             echo(f"wrote {json_path}")
+    if html_path:
+        from ..reports.diff_report import render_diff_html
+
+        write_output(html_path, render_diff_html(result, a.run_dir, b.run_dir), files)
+        echo(f"wrote {html_path}")
     if md_path:
         text = render_diff_markdown(result, a.run_dir, b.run_dir)
         if to_stdout == "md":

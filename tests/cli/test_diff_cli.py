@@ -62,3 +62,16 @@ def test_what_is_not_a_run_is_one_line_and_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("Error") and r.stderr.strip().count("\n") == 0, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_the_html_report_stands_alone_and_shows_the_parting(tmp_path):
+    out = tmp_path / "diff.html"
+    r = run_cli("diff", HEALTHY, BLOWN, "--html", out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    html = out.read_text()
+    # Self-contained: figures inline, no script, nothing fetched.
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    assert html.count('src="data:image/png;base64,') == 4  # loss, lr, gradient norm, per-parameter picture
+    assert "B parts from A at step 0, first in the learning rate (0.001 → 0.025)" in html
+    assert "<td>optimizer</td><td class=\"name\">Adam</td><td class=\"name\">SGD</td>" in html
+    assert "New in B" in html and "nonfinite at step 48 in fc2" in html
