@@ -26,12 +26,12 @@ on a shared machine the noise only ever adds time.
 
 glibc's malloc (``--malloc``). By default every child, bare or not, runs with glibc's mmap and trim
 thresholds fixed (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``, the same for every
-configuration). Left to glibc (``--malloc glibc``), the thresholds follow the sizes of the blocks
-freed so far, and whether the step's large activations are given back to the kernel and page-faulted
-in again every step is decided by the heap's layout: the same bare CNN loop runs at 4,000 to 14,000
-minor page faults and 57 to 84 ms a step from one process to the next (measured). Any other object
-in the process, a recorder's or a dataloader's, moves that layout; fixing the thresholds measures
-the recorder's own cost rather than that lottery. (It is also what CPU training jobs do for speed:
+configuration). Left to glibc (``--malloc glibc``), whether the CNN's step gives its activations
+back to the kernel and page-faults them in again every step is decided by the heap's layout: the
+bare loop does it in 20-100% of its steps from one process to the next, and after the recorder's
+first profiler window (steps 10-11) in every step of every process (benchmarks/allocator.py
+measures it; benchmarks/README.md has the counts). Fixing the thresholds measures the recorder's
+own cost rather than that layout. (It is also what CPU training jobs do for speed:
 ``MALLOC_TRIM_THRESHOLD_``, or jemalloc/tcmalloc by ``LD_PRELOAD``.)
 """
 
