@@ -114,11 +114,16 @@ def _rows(idx: np.ndarray):
     return idx
 
 
-def _block(rt: RankTrace, group: _Group, which: int, rows: np.ndarray) -> np.ndarray:
+def _block(rt: RankTrace, group: _Group, which: int, rows: np.ndarray, cache: dict) -> np.ndarray:
+    """The group's columns at ``rows`` of one run. Per-step series (loss, lr, the batch's) are
+    read whole once (``cache``: a 1-D float column a step), the steps x tensors tables by rows."""
     cols = group.cols_a if which == 0 else group.cols_b
     table = group.table
     if table == "steps":
-        return np.stack([rt.columns[c].to_numpy(dtype=np.float64)[rows] for c in cols], axis=1)
+        for c in cols:
+            if (which, c) not in cache:
+                cache[which, c] = rt.columns[c].to_numpy(dtype=np.float64)
+        return np.stack([cache[which, c][rows] for c in cols], axis=1)
     stat = table.split("/")[1]
     frame = rt.param_stat(stat, rows=_rows(rows)) if table.startswith("params") else rt.module_rows(stat, rows=_rows(rows))
     data = frame.to_numpy(dtype=np.float64)
@@ -154,13 +159,14 @@ def first_difference(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting | No
     """The first value, in step order, that differs at all (NaN equal to NaN)."""
     steps, ia, ib = common_steps(a, b)
     groups = [g for g in _groups(a, b) if g.stage in stages]
+    cache: dict = {}
     for s in range(0, len(steps), BLOCK):
         ra, rb = ia[s:s + BLOCK], ib[s:s + BLOCK]
         best = None  # (row, order, series, a, b)
         for g in groups:
             if not g.series:
                 continue
-            x, y = _block(a, g, 0, ra), _block(b, g, 1, rb)
+            x, y = _block(a, g, 0, ra, cache), _block(b, g, 1, rb, cache)
             differ = _comparable(x, y, g.table) & (x != y) & ~(np.isnan(x) & np.isnan(y))
             hit = np.argwhere(differ)
             if not hit.size:
@@ -182,13 +188,14 @@ def statistical_parting(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting |
     groups = [g for g in _groups(a, b) if g.series and g.stage in stages]
     # Per series: the length of the stretch beyond the band still open, and where it began.
     state: dict[int, tuple] = {}
+    cache: dict = {}
     best = None  # (step, order, Parting)
     for s in range(0, len(steps), BLOCK):
         if best is not None and steps[s] > best[0]:
             break  # nothing that starts later can be earlier
         ra, rb = ia[s:s + BLOCK], ib[s:s + BLOCK]
         for g in groups:
-            x, y = _block(a, g, 0, ra), _block(b, g, 1, rb)
+            x, y = _block(a, g, 0, ra, cache), _block(b, g, 1, rb, cache)
             ok = _comparable(x, y, g.table) & np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
             with np.errstate(divide="ignore", invalid="ignore"):
                 la, lb = np.log(np.where(ok, x, 1.0)), np.log(np.where(ok, y, 1.0))
