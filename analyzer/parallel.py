@@ -10,6 +10,7 @@ whole-parameter figures combine every rank's shards (trace/shards.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -17,8 +18,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 
 from .cross_rank.digest import RankDigest
+from .errors import TraceError
 from .findings import Finding
-from .trace import Trace
+from .trace import Trace, safety
 from .trace.run_dir import load_files
 from .trace.shards import WholeParams
 
@@ -45,14 +47,16 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
     results: dict[int, RankResult] = {}
     if n <= 1 or len(ranks) < 2 or sharded:
         for done, r in enumerate(ranks):
-            results[r] = rank_pass(trace, r)
+            results[r] = _held_pass(trace, r, rank_pass)
             if progress:
                 progress(done + 1, len(ranks))
         return results
     files = {r: [a.trace.path for a in trace.attempts[r]] for r in ranks}
+    # The files' identities this process checked (or its probe did): the workers skip their walks.
+    passed = {r: [safety.path_identity(p) for p in files[r]] for r in ranks}
     try:
         with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass): r for r in ranks}
+            futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass, passed[r]): r for r in ranks}
             for fut in as_completed(futures):
                 results[futures[fut]] = fut.result()  # (a TraceError raised there is raised here: one line, exit 2)
                 if progress:
@@ -62,12 +66,27 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
         # (by the OOM killer): the ranks not yet read are read here, one at a time.
         for r in ranks:
             if r not in results:
-                results[r] = rank_pass(trace, r)
+                results[r] = _held_pass(trace, r, rank_pass)
                 if progress:
                     progress(len(results), len(ranks))
     return dict(sorted(results.items()))
 
 
-def _one_rank(run_dir: str, files: list[str], rank: int, rank_pass) -> RankResult:
-    """In a worker: one rank's files read as a run of one rank, then its pass."""
-    return rank_pass(load_files(run_dir, files, died_starting=False, probed=True), rank)  # (the parent probed them)
+def _one_rank(run_dir: str, files: list[str], rank: int, rank_pass, passed=()) -> RankResult:
+    """In a worker: one rank's files read as a run of one rank, then its pass. ``passed``: the
+    identities of those files the parent checked (safety.py): a file still of that identity (not
+    changed since) is not walked again here."""
+    safety.trust(passed)
+    return _held_pass(load_files(run_dir, files, died_starting=False, probed=True), rank, rank_pass)  # (the parent probed them)
+
+
+def _held_pass(trace: Trace, rank: int, rank_pass) -> RankResult:
+    """rank_pass with the rank's files kept open: its detectors' ~200 reads open each file once."""
+    with contextlib.ExitStack() as stack:
+        traces = [a.trace for a in trace.attempts.get(rank, ())]
+        for rt in traces + [t for t in [trace.ranks.get(rank)] if not any(t is x for x in traces)]:
+            try:
+                stack.enter_context(rt.held())
+            except (AttributeError, TraceError):  # (gone: each read opens it and says why)
+                pass
+        return rank_pass(trace, rank)

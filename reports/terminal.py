@@ -15,6 +15,7 @@ same analyzer functions that summary.py uses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from collections.abc import Iterator
@@ -158,11 +159,23 @@ def _info_lines(trace: Trace) -> Iterator[str]:
     yield f"run directory  {printable(trace.run_dir)}"
     yield f"size on disk   {human_bytes(trace.size_bytes)} in {trace.n_files} file(s)"
     for rt in trace.ranks.values():
-        yield from _rank_lines(trace, rt)
+        with held(rt):  # (one open of the file for the paragraph's ~80 reads)
+            yield from _rank_lines(trace, rt)
     for _, reason in trace.unreadable.items():
         yield f"\nunreadable     {shorten_words(reason, width=INFO_TEXT_CHARS)}"
     for _, note in trace.notes:
         yield f"\nnote           {shorten_words(note, NAME_CHARS, INFO_TEXT_CHARS)}"
+
+
+def held(rt) -> contextlib.ExitStack:
+    """A rank's files (each attempt's, for a restarted rank) kept open while the context lasts."""
+    stack = contextlib.ExitStack()
+    for t in [rt, *(a.trace for a in getattr(rt, "attempts", ()))]:
+        try:
+            stack.enter_context(t.held())
+        except (AttributeError, TraceError):  # (not a file, or gone: each read opens it and says why)
+            pass
+    return stack
 
 
 def _rank_lines(trace: Trace, rt) -> Iterator[str]:

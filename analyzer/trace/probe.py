@@ -2,12 +2,15 @@
 
 HDF5 decodes a file in C, where no Python timeout reaches: 512 zeroed bytes in a trace's global
 heap made it loop forever at 100% CPU on the first attribute read, and a damaged file can crash it
-outright. So every file is first walked in a forked child: its attributes, each object's
-attributes, every string dataset whole (the global heap), the first and last row of every other
-dataset (their chunk indexes), at most MAX_OBJECTS objects. The child reports each file as it
-finishes it; a file it is still on when the deadline passes (or that kills it) is that rank's
-"could not read" and the child is replaced for the files after it. One child serves a whole run
-directory: ~10 ms a file, one fork per damaged file.
+outright. So every file is first walked in a forked child: the safety check's walk
+(safety.py), which there also reads every attribute, every string dataset whole (the global
+heap), and the first and last row of every chunked dataset (their chunk indexes). The child
+reports each file as it finishes it, with the identity (device, inode, size, mtime) of the file
+it passed; this process trusts that verdict (safety.trust), so its own opens of the file, and
+those of the workers it tells, do not walk it again: one walk a file in all. A file the child is
+still on when the deadline passes (or that kills it) is that rank's "could not read" and the
+child is replaced for the files after it; a file it refused is checked again where it is read,
+which says why. One child serves a batch of files: one fork per batch and per damaged file.
 """
 
 from __future__ import annotations
@@ -16,11 +19,8 @@ import multiprocessing
 import os
 import sys
 
-import h5py
-
+from . import safety
 from .format import _open
-
-MAX_OBJECTS = 20_000  # groups and datasets walked in one file (a trace has a few hundred)
 
 
 def deadline_s(size_bytes: int) -> float:
@@ -54,11 +54,12 @@ def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
                                      "again from the job's run directory")
                     break
                 try:
-                    recv.recv()
+                    _, key = recv.recv()
                 except EOFError:  # the child died on this file (HDF5 crashed on it)
                     bad[paths[i]] = (f"{paths[i]} could not be read: decoding it crashed HDF5 (a damaged file); "
                                      "copy it again from the job's run directory")
                     break
+                safety.trust([key])  # (opened here, it is not walked again: the child checked it)
                 i += 1
         finally:
             if child.is_alive():
@@ -70,33 +71,13 @@ def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
 
 
 def _walk_all(paths: list[str], send) -> None:
+    safety.decoding(True)  # (this process only: it walks, checks and decodes each file once)
     for i, path in enumerate(paths):
+        key = None
         try:
-            _walk(path)
+            with _open(path) as f:  # (the check's walk, decoding as it goes)
+                key = safety.identity(f, path)
         except Exception:
-            pass  # (an error HDF5 reports is the reader's to say: only a hang or a crash counts here)
-        send.send(i)
+            pass  # (an error HDF5 reports, or a refusal, is the reader's to say: only a hang or a crash counts here)
+        send.send((i, key))
     send.close()
-
-
-def _walk(path: str) -> None:
-    with _open(path) as f:
-        seen = [0]
-        for _ in f.attrs.values():
-            pass
-
-        def visit(name, obj):
-            seen[0] += 1
-            if seen[0] > MAX_OBJECTS:
-                return True  # (stops visititems)
-            for _ in obj.attrs.values():
-                pass
-            if isinstance(obj, h5py.Dataset) and obj.shape is not None and obj.size:
-                if obj.dtype.kind in "OSU" or h5py.check_string_dtype(obj.dtype) is not None:
-                    obj[()]
-                elif obj.ndim:
-                    obj[0]
-                    obj[obj.shape[0] - 1]
-            return None
-
-        f.visititems(visit)

@@ -5,6 +5,8 @@ TraceFormatError."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pandas as pd
 
@@ -17,11 +19,36 @@ from .streaming import _gather, _row_selection, _width, block_rows
 class TableReads:
     """Mixed into RankTrace: needs its ``path``, ``n_steps`` and ``step_index``."""
 
+    _held = None  # the file while held()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Keep the file open for the reads made inside (``info``'s paragraph of a rank makes
+        ~80): one open, not one per read. Reentrant."""
+        if self._held is not None:
+            yield self
+            return
+        with _open(self.path) as f:
+            self._held = f
+            try:
+                yield self
+            finally:
+                self._held = None
+
+    @contextlib.contextmanager
+    def _opened(self):
+        """The file, open: the one held() keeps, or opened for this read alone."""
+        if self._held is not None:
+            yield self._held
+        else:
+            with _open(self.path) as f:
+                yield f
+
     def _read(self, name: str, rows: int | None = None, text: bool = False, ndim: int | None = None) -> np.ndarray:
         """A dataset (its first ``rows`` rows), read-only; numbers unless ``text``, of ``ndim``
         dimensions if given."""
         try:
-            with _open(self.path) as f:
+            with self._opened() as f:
                 ds = f[name]
                 arr = ds[: rows] if rows is not None else ds[()]
         except (KeyError, OSError, ValueError) as e:
@@ -47,7 +74,7 @@ class TableReads:
         the rows asked for, never by the length of the table."""
         sel = _row_selection(slice(None) if rows is None else rows, n)
         try:
-            with _open(self.path) as f:
+            with self._opened() as f:
                 ds = f[name]
                 if isinstance(sel, slice) and sel.step == 1:
                     idx = np.arange(sel.start, max(sel.start, sel.stop))
@@ -68,7 +95,7 @@ class TableReads:
             table = name.split("/", 1)[0]
             stop = self.n_steps if table in _PER_STEP_TABLES else None
         try:
-            with _open(self.path) as f:
+            with self._opened() as f:
                 ds = f[name]
                 stop = ds.shape[0] if stop is None else min(stop, ds.shape[0])
                 if ds.dtype.kind not in "iufb" or ds.ndim not in (1, 2):
@@ -88,18 +115,19 @@ class TableReads:
         return slice(int(np.searchsorted(idx, lo, "left")), int(np.searchsorted(idx, hi, "right")))
 
     def _sampled_steps(self, table: str, cols) -> np.ndarray:
-        try:
-            with _open(self.path) as f:
-                n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
-        except (KeyError, OSError) as e:
-            raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
-        return self._read(f"{table}/step", n, ndim=1)
+        with self.held():
+            try:
+                with self._opened() as f:
+                    n = min(f[f"{table}/{c}"].shape[0] for c in ("step", *cols))
+            except (KeyError, OSError) as e:
+                raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
+            return self._read(f"{table}/step", n, ndim=1)
 
     def _n_rows(self, table: str, cols) -> int:
         """Rows every column of a table holds (a kill can leave one a row longer); 0 if the
         table is absent (an older trace). Columns an older trace lacks (upgrade.py) do not count."""
         try:
-            with _open(self.path) as f:
+            with self._opened() as f:
                 if table not in f:
                     return 0
                 names = [f"{table}/{c}" for c in cols]
@@ -108,7 +136,7 @@ class TableReads:
             raise TraceFormatError(f"{self.path}: cannot read {table} ({e})") from None
 
     def _has(self, name: str) -> bool:
-        with _open(self.path) as f:
+        with self._opened() as f:
             return name in f
 
     def _table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...] = (),
@@ -117,18 +145,19 @@ class TableReads:
         column a row longer); an absent table (older trace) reads as empty, a column added after
         it was written as upgrade.py says. Columns not in ``texts`` must hold numbers; all of
         ``ndim`` dimensions if given."""
-        if not self._has(table):
-            return {c: np.zeros(0) for c in cols}
-        n, lacking = self._n_rows(table, cols), self._lacking(table, cols)
-        out = {}
-        for c in cols:
-            out[c] = upgrade.column(f"{table}/{c}", n, out) if c in lacking else \
-                self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim)
-        return out
+        with self.held():  # (one open for the table's reads)
+            if not self._has(table):
+                return {c: np.zeros(0) for c in cols}
+            n, lacking = self._n_rows(table, cols), self._lacking(table, cols)
+            out = {}
+            for c in cols:
+                out[c] = upgrade.column(f"{table}/{c}", n, out) if c in lacking else \
+                    self._read(f"{table}/{c}", n, text=c in texts, ndim=ndim)
+            return out
 
     def _lacking(self, table: str, cols) -> set[str]:
         """The columns of a table this trace lacks and the reader fills in (upgrade.py)."""
-        with _open(self.path) as f:
+        with self._opened() as f:
             return {c for c in cols if upgrade.added(f"{table}/{c}") and f"{table}/{c}" not in f}
 
     def _texts_table(self, table: str, cols: tuple[str, ...], texts: tuple[str, ...]) -> pd.DataFrame:
@@ -140,7 +169,7 @@ class TableReads:
 
     def _width_of(self, name: str) -> int:
         try:
-            with _open(self.path) as f:
+            with self._opened() as f:
                 return int(f[name].shape[1]) if name in f and f[name].ndim == 2 else 0
         except (KeyError, OSError) as e:
             raise TraceFormatError(f"{self.path}: cannot read {name} ({e})") from None
