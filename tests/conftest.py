@@ -31,6 +31,7 @@ SLOW_FILES = frozenset({
     "tests/analyzer/test_update_ratio.py",
     "tests/cli/test_analyze_samples.py",
     "tests/cli/test_bad_input.py",
+    "tests/cli/test_checked_once.py",
     "tests/cli/test_cli_conventions.py",
     "tests/cli/test_killed_and_multirank.py",
     "tests/cli/test_many_rank_files.py",
