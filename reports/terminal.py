@@ -161,6 +161,9 @@ def _info_lines(trace: Trace) -> Iterator[str]:
     for rt in trace.ranks.values():
         with held(rt):  # (one open of the file for the paragraph's ~80 reads)
             yield from _rank_lines(trace, rt)
+        for t in [rt, *(a.trace for a in getattr(rt, "attempts", ()))]:
+            if hasattr(t, "release"):
+                t.release()  # (what the paragraph read: memory stays flat over thousands of ranks)
     for _, reason in trace.unreadable.items():
         yield f"\nunreadable     {shorten_words(reason, width=INFO_TEXT_CHARS)}"
     for _, note in trace.notes:
