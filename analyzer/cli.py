@@ -68,6 +68,7 @@ class _Progress:
         self.enabled = self.forced == "1" or (self.forced != "0" and (sys.stderr.isatty() or n_files > MANY_FILES))
         self.bar = None
         self.drawn, self.stage = 0.0, ""
+        self.skipped = None  # (done, total, what) of the last update not drawn
 
     def long_run(self, trace: Trace) -> None:
         """Enable the bar for a run whose tables are large (once its files are open)."""
@@ -82,12 +83,17 @@ class _Progress:
 
             self.bar = tqdm(total=total, desc="torchautopsy", unit="part", file=sys.stderr, leave=False,
                             mininterval=0.5, dynamic_ncols=True)
-        self.bar.total = total
-        self.bar.n = done
         stage = what.split(":")[0]
         if done < total and stage == self.stage and time.monotonic() - self.drawn < 0.5:
-            return  # (10,000 ranks: a line a rank would flood a log)
-        self.drawn, self.stage = time.monotonic(), stage
+            self.skipped = (done, total, what)  # (10,000 ranks: a line a rank would flood a log)
+            return
+        if stage != self.stage and self.skipped is not None:
+            self._draw(*self.skipped)  # the stage's last state, skipped above, before the next stage
+        self.drawn, self.stage, self.skipped = time.monotonic(), stage, None
+        self._draw(done, total, what)
+
+    def _draw(self, done: int, total: int, what: str) -> None:
+        self.bar.total, self.bar.n = total, done
         self.bar.set_postfix_str(what, refresh=False)
         self.bar.refresh()
 

@@ -41,23 +41,26 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {len(names) - NAMES_SHOWN:,} more" if len(names) > NAMES_SHOWN else "")
 
 
+def _only(what: str, a: dict, b: dict) -> list[dict]:
+    """Rows for the names (modules or parameters) one run has and the other has not."""
+    out = []
+    only_a, only_b = [n for n in a if n not in b], [n for n in b if n not in a]
+    if only_a:
+        out.append({"name": f"{what} only in A ({len(only_a):,})", "a": _listed(only_a), "b": None})
+    if only_b:
+        out.append({"name": f"{what} only in B ({len(only_b):,})", "a": None, "b": _listed(only_b)})
+    return out
+
+
 def _model(a: RankTrace, b: RankTrace) -> list[dict]:
     out = []
     ma, mb = dict(zip(a.module_names, a.module_types)), dict(zip(b.module_names, b.module_types))
-    only_a, only_b = [m for m in ma if m not in mb], [m for m in mb if m not in ma]
-    if only_a:
-        out.append({"name": f"modules only in A ({len(only_a):,})", "a": _listed(only_a), "b": None})
-    if only_b:
-        out.append({"name": f"modules only in B ({len(only_b):,})", "a": None, "b": _listed(only_b)})
+    out += _only("modules", ma, mb)
     for m in ma:
         if m in mb and ma[m] != mb[m]:
             out.append({"name": f"type of {m or '(model)'}", "a": ma[m], "b": mb[m]})
     sa, sb = dict(zip(a.param_names, a.param_shapes)), dict(zip(b.param_names, b.param_shapes))
-    only_a, only_b = [p for p in sa if p not in sb], [p for p in sb if p not in sa]
-    if only_a:
-        out.append({"name": f"parameters only in A ({len(only_a):,})", "a": _listed(only_a), "b": None})
-    if only_b:
-        out.append({"name": f"parameters only in B ({len(only_b):,})", "a": None, "b": _listed(only_b)})
+    out += _only("parameters", sa, sb)
     for p in sa:
         if p in sb and tuple(sa[p]) != tuple(sb[p]):
             out.append({"name": f"shape of {p}", "a": list(sa[p]), "b": list(sb[p])})

@@ -12,12 +12,10 @@ every process of a real CLI run (the probe's forked children, the parent, the sp
 from __future__ import annotations
 
 import collections
-import shutil
 
-import h5py
 import pytest
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import rank_copies, run_cli
 
 N_RANKS = 50
 
@@ -53,13 +51,7 @@ for module in list(sys.modules.values()):  # (every module that imported format.
 
 @pytest.fixture(scope="module")
 def many(tmp_path_factory):
-    run = tmp_path_factory.mktemp("many") / "run"
-    run.mkdir()
-    for r in range(N_RANKS):
-        shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", run / f"rank{r}.h5")
-        with h5py.File(run / f"rank{r}.h5", "r+") as f:
-            f.attrs["rank"], f.attrs["world_size"] = r, N_RANKS
-    return run
+    return rank_copies(tmp_path_factory.mktemp("many") / "run", N_RANKS)
 
 
 def _counts(log) -> dict[str, collections.Counter]:

@@ -8,25 +8,17 @@ recorder writes it under DDP (the ``rank`` and ``world_size`` attributes).
 """
 
 import json
-import shutil
 
-import h5py
 import pytest
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import rank_copies, run_cli
 
 N_RANKS = 6
 
 
 @pytest.fixture(scope="module")
 def many(tmp_path_factory):
-    run = tmp_path_factory.mktemp("many") / "run"
-    run.mkdir()
-    for r in range(N_RANKS):
-        shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", run / f"rank{r}.h5")
-        with h5py.File(run / f"rank{r}.h5", "r+") as f:
-            f.attrs["rank"], f.attrs["world_size"] = r, N_RANKS
-    return run
+    return rank_copies(tmp_path_factory.mktemp("many") / "run", N_RANKS)
 
 
 @pytest.mark.parametrize("command", ["analyze", "info"])

@@ -8,29 +8,13 @@ Real CLI runs on copies of a real trace (sample_traces/healthy_mlp: a profiler w
 snapshots, samples).
 """
 
-import hashlib
 import os
 import shutil
 
-import pytest
-
 from tests.cli.test_bad_input import assert_one_line_error
+# (run: the fixture, a copy of a real trace; digest and leftovers: the files' checks)
+from tests.cli.test_output_safety import digest, leftovers, run  # noqa: F401
 from tests.helpers import SAMPLES, run_cli
-
-
-def digest(path) -> str:
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
-
-
-def leftovers(folder):
-    return [n for n in os.listdir(folder) if "torchautopsy-tmp" in n]
-
-
-@pytest.fixture
-def run(tmp_path):
-    os.mkdir(tmp_path / "run")
-    shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", tmp_path / "run" / "rank0.h5")
-    return tmp_path / "run"
 
 
 def _commands(run, out):
