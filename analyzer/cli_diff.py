@@ -37,11 +37,12 @@ def diff(run_a, run_b, rank, json_path, html_path, md_path, fail_on, colour):
     first recorded value where B parts from A, and the findings only one of them has."""
     to_stdout = _dash_outputs(json_path, html_path, None, md_path)
     human = sys.stderr if to_stdout else sys.stdout
-    files = _rank_files(run_a) + _rank_files(run_b)
+    files_a, files_b = _rank_files(run_a), _rank_files(run_b)
+    files = files_a + files_b
     check_outputs((None if to_stdout == "json" else json_path, html_path, None if to_stdout == "md" else md_path),
                   files)
-    a, _ = _load(run_a, len(_rank_files(run_a)))
-    b, _ = _load(run_b, len(_rank_files(run_b)))
+    a, _ = _load(run_a, len(files_a))
+    b, _ = _load(run_b, len(files_b))
     findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts))) for t in (a, b))
     result = diff_runs(a, b, rank, findings=findings)
 
