@@ -1,36 +1,18 @@
-"""The PDF report: the same content as the HTML (one built Report), paginated on A4.
-
-Laid out with fpdf2, a pure-Python PDF library (no system libraries: ``pip install`` is enough on
-any laptop). Text is set in DejaVu Sans / Sans Mono, the fonts matplotlib ships (so no font has
-to be installed, and names in any Latin, Greek or Cyrillic script print; a character these fonts
-lack, CJK or an emoji, prints as "?"). Every string from the trace is written as plain text (no
-markup is parsed), so a module named ``<script>`` prints as those characters. Figures are the
-report's PNGs placed at the size they were drawn (7 inches, 8-point text): readable at 100%.
+"""The PDF report: the same content as the HTML (one built Report), paginated on A4. The fonts,
+text cleaning and page furniture are pdf_doc.py's (shared with diff's PDF).
 """
 
 from __future__ import annotations
 
-import io
-import os
-
-import matplotlib
-from fpdf import FPDF
-from fpdf.enums import MethodReturnValue, TableBordersLayout, XPos, YPos
+from fpdf.enums import TableBordersLayout, XPos, YPos
 from fpdf.fonts import FontFace
 
 from ..analyzer.findings import Finding
 from ..analyzer.trace import Trace
 from .build import build_report
 from .format import map_strings, shorten
-from .model import EvidenceRow, Figure, Report, Table, Text
-
-MARGIN = 15.0  # mm
-_FONT_DIR = os.path.join(matplotlib.get_data_path(), "fonts", "ttf")
-_FONTS = {("sans", ""): "DejaVuSans.ttf", ("sans", "B"): "DejaVuSans-Bold.ttf",
-          ("sans", "I"): "DejaVuSans-Oblique.ttf", ("mono", ""): "DejaVuSansMono.ttf",
-          ("mono", "B"): "DejaVuSansMono-Bold.ttf"}
-_RGB = {"error": (183, 28, 28), "warning": (180, 83, 9), "info": (21, 101, 192), "ok": (46, 125, 50)}
-_MUTED = (85, 85, 85)
+from .model import EvidenceRow, Report
+from .pdf_doc import MARGIN, MUTED, RGB, PdfDoc
 
 
 def render_pdf(report_or_trace: Report | Trace, findings: list[Finding] | None = None) -> bytes:
@@ -43,108 +25,25 @@ def render_pdf(report_or_trace: Report | Trace, findings: list[Finding] | None =
     pdf.ranks()
     pdf.overview()
     pdf.appendix()
-    pdf.footers()
+    pdf.footers(pdf.r.title)
     return bytes(pdf.output())
 
 
-class _Doc(FPDF):
+class _Doc(PdfDoc):
     def __init__(self, report: Report):
-        super().__init__(orientation="P", unit="mm", format="A4")
+        super().__init__(report.title, report.version)
         self.r = report
-        for (family, style), fname in _FONTS.items():
-            self.add_font(family, style, os.path.join(_FONT_DIR, fname))
-        # No text is substituted by fpdf2's page-count alias: a name from the trace may spell
-        # "{nb}". The footers are written last, when the number of pages is known.
-        self.alias_nb_pages(None)
-        # Characters every font of the document can draw: any other prints as "?" (fpdf2 would
-        # leave a blank and log a warning for each font).
-        self._drawable = set.intersection(*(set(f.cmap) for f in self.fonts.values())) | {10, 13}
-        self.set_margins(MARGIN, MARGIN, MARGIN)
-        self.set_auto_page_break(True, margin=16)
-        self.set_title(shorten(report.title, 200))
-        self.set_creator(f"torchautopsy {report.version}")
-        self.set_author("torchautopsy")
-
-    def drawable(self, text: str) -> str:
-        """``text`` with each character the fonts lack replaced by "?"."""
-        if all(ord(c) in self._drawable for c in text):
-            return text
-        return "".join(c if ord(c) in self._drawable else "?" for c in text)
-
-    # -- page furniture ---------------------------------------------------------------------------
-    def footers(self) -> None:
-        """``title … page N of M`` at the foot of every page, once M is known."""
-        last = self.page
-        self.set_auto_page_break(False)
-        for n in range(1, last + 1):
-            self.page = n
-            self.set_xy(MARGIN, self.h - 11)
-            # fpdf2 writes a font change only when the font differs from the last one set, which
-            # was on the last page: set another first, so this page's stream gets its own.
-            self.set_font("mono", "", 1)
-            self._font("sans", "", 7.5, _MUTED)
-            self.cell(self.epw * 0.8, 5, shorten(self.r.title, 110))
-            self.cell(self.epw * 0.2, 5, f"page {n} of {last}", align="R")
-        self.page = last
-
-    def _font(self, family: str = "sans", style: str = "", size: float = 9.5, color=(26, 26, 26)) -> None:
-        self.set_font(family, style, size)
-        self.set_text_color(*color)
-
-    def _text(self, text: str, size: float = 9.5, style: str = "", color=(26, 26, 26), family="sans",
-              h: float | None = None, gap: float = 1.2) -> None:
-        self._font(family, style, size, color)
-        self.multi_cell(0, h or size * 0.48, text, align="L", new_x=XPos.LMARGIN, new_y=YPos.NEXT)
-        self.ln(gap)
-
-    def _height(self, text: str, size: float, family: str = "sans", h: float | None = None) -> float:
-        """The height ``_text`` would take, in mm."""
-        self._font(family, "", size)
-        return float(self.multi_cell(0, h or size * 0.48, text, align="L", dry_run=True,
-                                     output=MethodReturnValue.HEIGHT))
-
-    def _spans(self, text: Text, size: float = 10) -> None:
-        """Running text with names in the mono font, wrapped as one paragraph."""
-        h = size * 0.5
-        for s in text:
-            self._font("mono" if s.code else "sans", "", size * (0.93 if s.code else 1.0))
-            self.write(h, s.text)
-        self.ln(h)
-
-    def _heading(self, text: str, level: int, room: float = 30) -> None:
-        """A heading, kept with at least ``room`` mm of what follows it."""
-        if self.will_page_break(room):
-            self.add_page()
-        size = {0: 17, 1: 14, 2: 11.5, 3: 8}[level]
-        if level <= 2:
-            self.start_section(shorten(text, 120), level=max(0, level - 1))
-        self.ln({0: 0, 1: 3, 2: 2, 3: 1.5}[level])
-        if level == 3:
-            self._text(text.upper(), size=size, style="B", color=_MUTED, gap=0.5)
-        else:
-            self._text(text, size=size, style="B", gap=1.5)
-        if level == 1:
-            self.set_draw_color(208, 212, 218)
-            self.line(MARGIN, self.get_y() - 0.5, self.w - MARGIN, self.get_y() - 0.5)
-            self.ln(2)
-
-    def _badge(self, severity: str, h: float = 5) -> None:
-        self.set_fill_color(*_RGB.get(severity, _MUTED))
-        self._font("sans", "B", 7.5, (255, 255, 255))
-        self.cell(19, h, severity.upper(), align="C", fill=True)
-        self.cell(2, h, "")
-        self.set_fill_color(255, 255, 255)
 
     # -- header and verdict -----------------------------------------------------------------------
     def header_page(self) -> None:
         """The first page: the run in one line, the verdict with its fix and figure, the findings."""
         self.add_page()
         self._heading("torchautopsy report", 0)
-        self._text(self.r.run_dir, size=8.5, color=_MUTED, family="mono")
+        self._text(self.r.run_dir, size=8.5, color=MUTED, family="mono")
         self._text(self.r.run_line, size=9.5)
         for f in self.r.facts:
             if f.bad and f.first_screen:
-                self._text(f"{f.label}: {f.value}", size=9.5, style="B", color=_RGB["error"])
+                self._text(f"{f.label}: {f.value}", size=9.5, style="B", color=RGB["error"])
         self.ln(3)
         self._verdict()
         self._finding_list()
@@ -158,7 +57,7 @@ class _Doc(FPDF):
                         padding=(0.6, 1, 0.6, 0)) as table:
             for f in self.r.findings:
                 row = table.row()
-                row.cell(f.severity.upper(), style=FontFace(emphasis="B", color=_RGB.get(f.severity, _MUTED)))
+                row.cell(f.severity.upper(), style=FontFace(emphasis="B", color=RGB.get(f.severity, MUTED)))
                 row.cell(f.kind)
                 row.cell(("" if f.step is None else f"step {f.step:,}") + ("" if f.rank is None else f" · rank {f.rank}"))
                 where = (f.where[0] or "(model)") if f.where else ""
@@ -177,37 +76,26 @@ class _Doc(FPDF):
                         padding=(0.6, 1, 0.6, 0)) as table:
             for label, value, bad in rows:
                 row = table.row()
-                row.cell(label, style=FontFace(emphasis="B", color=_MUTED))
-                row.cell(value, style=FontFace(emphasis="B", color=_RGB["error"]) if bad else None)
+                row.cell(label, style=FontFace(emphasis="B", color=MUTED))
+                row.cell(value, style=FontFace(emphasis="B", color=RGB["error"]) if bad else None)
         self.ln(4)
 
     def _verdict(self) -> None:
         v = self.r.verdict
-        color = _RGB.get(v.severity, _RGB["ok"])
-        top, page = self.get_y(), self.page_no()
-        self.set_left_margin(MARGIN + 5)
-        self.set_x(MARGIN + 5)
-        self.ln(1)
-        if v.severity != "ok":
-            self._badge(v.severity, h=6)
-        self._font("sans", "B", 11.5)
-        self.multi_cell(0, 6, v.headline, align="L", new_x=XPos.LMARGIN, new_y=YPos.NEXT)
-        self.ln(1)
-        for sentence in v.sentences:
-            self._spans(sentence, size=10)
-            self.ln(1.2)
-        if v.fix:
-            self._text(f"Fix first: {v.fix}", size=10, style="B")
-        if v.severity == "ok":
-            self._text(f"Checked: {', '.join(v.checked)}." + (f" {v.n_notes} note(s) below." if v.n_notes else ""),
-                       size=10)
-        bottom = self.get_y()
-        self.set_left_margin(MARGIN)
-        if self.page_no() == page:
-            self.set_fill_color(*color)
-            self.rect(MARGIN, top, 2.2, bottom - top, style="F")
-            self.set_fill_color(255, 255, 255)
-        self.ln(4)
+        with self._side_bar(RGB.get(v.severity, RGB["ok"])):
+            if v.severity != "ok":
+                self._badge(v.severity, h=6)
+            self._font("sans", "B", 11.5)
+            self.multi_cell(0, 6, v.headline, align="L", new_x=XPos.LMARGIN, new_y=YPos.NEXT)
+            self.ln(1)
+            for sentence in v.sentences:
+                self._spans(sentence, size=10)
+                self.ln(1.2)
+            if v.fix:
+                self._text(f"Fix first: {v.fix}", size=10, style="B")
+            if v.severity == "ok":
+                self._text(f"Checked: {', '.join(v.checked)}." + (f" {v.n_notes} note(s) below." if v.n_notes else ""),
+                           size=10)
         if v.figure is not None:
             self._figure(v.figure)
 
@@ -217,7 +105,7 @@ class _Doc(FPDF):
         n = len(r.findings) + (len(r.more_findings.rows) if r.more_findings else 0)
         self._heading(f"Findings ({n})", 1, room=80)
         if not r.findings:
-            self._text("None: the checks above found nothing to report.", color=_MUTED)
+            self._text("None: the checks above found nothing to report.", color=MUTED)
         for f in r.findings:
             self._heading_finding(f)
             if f.where:
@@ -289,48 +177,6 @@ class _Doc(FPDF):
                 row.cell(key, style=FontFace(family="sans", size_pt=7.5, color=(51, 51, 51)))
                 row.cell(value)
 
-    # -- figures and tables -----------------------------------------------------------------------
-    def _figure_size(self, fig: Figure) -> tuple[float, float]:
-        """The width and height a figure is placed at, in mm: as drawn, or the page's width."""
-        w, h = fig.width_in * 25.4, fig.height_in * 25.4
-        return (self.epw, h * self.epw / w) if w > self.epw else (w, h)
-
-    def _figure(self, fig: Figure) -> None:
-        caption_h = self._height(fig.caption, 7.8) + 3
-        if fig.png:
-            w, h = self._figure_size(fig)
-            if self.will_page_break(h + caption_h + (6 if fig.title else 0)):
-                self.add_page()
-        if fig.title:
-            self._text(fig.title, size=9.5, style="B", gap=0.8)
-        if fig.png:
-            self.image(io.BytesIO(fig.png), x=MARGIN + (self.epw - w) / 2, w=w, h=h, alt_text=fig.title)
-            self.ln(1)
-        self._text(fig.caption, size=7.8, color=_MUTED, gap=3)
-
-    def _table(self, t: Table) -> None:
-        self._heading(t.title, 2, room=30)
-        self._text(t.caption, size=8, color=_MUTED)
-        if t.rows:
-            widths = t.widths or (1,) * len(t.columns)
-            aligns = tuple("RIGHT" if num else "LEFT" for num in t.numeric)
-            self._font("sans", "", 7)
-            with self.table(col_widths=widths, text_align=aligns, line_height=3.3,
-                            borders_layout=TableBordersLayout.HORIZONTAL_LINES, padding=(0.4, 0.8),
-                            headings_style=FontFace(emphasis="B", color=(51, 51, 51), fill_color=(238, 240, 243)),
-                            ) as table:
-                header = table.row()
-                for c in t.columns:
-                    header.cell(c)
-                for values in t.rows:
-                    row = table.row()
-                    for i, v in enumerate(values):
-                        row.cell(v, style=FontFace(family="mono", size_pt=6.8) if i == 0 else None)
-        if t.more:
-            self.ln(1)
-            self._text(t.more, size=8, color=_MUTED)
-        self.ln(3)
-
     # -- overview and appendix --------------------------------------------------------------------
     def overview(self) -> None:
         self.add_page()
@@ -362,9 +208,9 @@ class _Doc(FPDF):
             for item in r.recorded:
                 row = table.row()
                 ok = item.recorded
-                row.cell("✓" if ok else "✗", style=FontFace(emphasis="B", color=_RGB["ok"] if ok else _RGB["error"]))
-                row.cell(item.what, style=FontFace(emphasis="B", color=(26, 26, 26) if ok else _MUTED))
-                row.cell(item.detail, style=None if ok else FontFace(color=_MUTED))
+                row.cell("✓" if ok else "✗", style=FontFace(emphasis="B", color=RGB["ok"] if ok else RGB["error"]))
+                row.cell(item.what, style=FontFace(emphasis="B", color=(26, 26, 26) if ok else MUTED))
+                row.cell(item.detail, style=None if ok else FontFace(color=MUTED))
         self.ln(4)
         for t in r.tables:
             self._table(t)
