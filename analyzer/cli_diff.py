@@ -1,7 +1,8 @@
 """``torchautopsy diff RUN_A RUN_B``: where and when B parts from A, and what in their setup
 differs (analyzer/diff/). Registered on the command group of cli.py, whose conventions it keeps:
-one line and exit code 2 for unusable input, '-' for --json or --md writes it to stdout, every
-output follows output.py's rule; exit 1 under ``--fail-on parted`` when B parts from A."""
+one line and exit code 2 for unusable input, '-' for --json or --md writes it to stdout (never
+for --html or --pdf), every output follows output.py's rule; exit 1 under ``--fail-on parted``
+when B parts from A."""
 
 from __future__ import annotations
 
@@ -26,21 +27,25 @@ from .run import analyze as run_detectors
               help="Write the comparison as JSON (identical, parted, setup, new_findings). '-': to stdout.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False),
               help="Write a self-contained HTML report (A and B overlaid, the parting marked, the setup).")
+@click.option("--pdf", "pdf_path", type=click.Path(dir_okay=False),
+              help="Write the same report as a paginated PDF (A4): the verdict, the figures, the setup, "
+                   "the new findings.")
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write a Markdown report to paste into a ticket. '-': to stdout.")
 @click.option("--fail-on", type=click.Choice(["parted", "none"]), default="none", show_default=True,
               help="Exit 1 when B parts from A (a training-regression gate for CI).")
 @click.option("--color/--no-color", "colour", default=None, help="Colour (default: only on a terminal).")
-def diff(run_a, run_b, rank, json_path, html_path, md_path, fail_on, colour):
+def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, colour):
     """Compare RUN_B (the suspect) with RUN_A (the reference, the run that worked): the setup
     differences (model, optimizer, schedule, precision, batch, versions), the first step and the
-    first recorded value where B parts from A, and the findings only one of them has."""
-    to_stdout = _dash_outputs(json_path, html_path, None, md_path)
+    first recorded value where B parts from A, and the findings only one of them has. Printed on
+    the terminal; --json, --html, --pdf and --md write it to files as well."""
+    to_stdout = _dash_outputs(json_path, html_path, pdf_path, md_path)
     human = sys.stderr if to_stdout else sys.stdout
     files_a, files_b = _rank_files(run_a), _rank_files(run_b)
     files = files_a + files_b
-    check_outputs((None if to_stdout == "json" else json_path, html_path, None if to_stdout == "md" else md_path),
-                  files)
+    check_outputs((None if to_stdout == "json" else json_path, html_path, pdf_path,
+                   None if to_stdout == "md" else md_path), files)
     a, _ = _load(run_a, len(files_a))
     b, _ = _load(run_b, len(files_b))
     findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts))) for t in (a, b))
@@ -59,11 +64,18 @@ def diff(run_a, run_b, rank, json_path, html_path, md_path, fail_on, colour):
         else:
             write_output(json_path, text, files)
             echo(f"wrote {json_path}")
-    if html_path:
+    if html_path or pdf_path:
+        # matplotlib, jinja and fpdf2 are imported only when a report is asked for; the figures
+        # are drawn once for both documents
+        from ..reports.diff_figures import diff_figures
+        from ..reports.diff_pdf import render_diff_pdf
         from ..reports.diff_report import render_diff_html
 
-        write_output(html_path, render_diff_html(result, a.run_dir, b.run_dir), files)
-        echo(f"wrote {html_path}")
+        figures = diff_figures(result)
+        for path, render in ((html_path, render_diff_html), (pdf_path, render_diff_pdf)):
+            if path:
+                write_output(path, render(result, a.run_dir, b.run_dir, figures), files)
+                echo(f"wrote {path}")
     if md_path:
         text = render_diff_markdown(result, a.run_dir, b.run_dir)
         if to_stdout == "md":

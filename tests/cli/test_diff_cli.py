@@ -1,6 +1,6 @@
 """`torchautopsy diff RUN_A RUN_B` as a user runs it (the real CLI in a subprocess, without torch,
-on the shipped sample traces): the JSON contract, --fail-on parted, the Markdown report, and
-one line with exit code 2 for what cannot be compared."""
+on the shipped sample traces): the JSON contract, --fail-on parted, the Markdown, HTML and PDF
+reports, and one line with exit code 2 for what cannot be compared."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from tests.helpers import SAMPLES, run_cli
 
 HEALTHY = SAMPLES / "healthy_mlp"
 BLOWN = SAMPLES / "exploding_lr"  # the same MLP, SGD at lr 0.025: diverges and goes NaN
+WIDE = SAMPLES / "leak_losses_mlp"  # the MLP 256 wide, its loss kept: parts at step 0 in fc2.weight
 RANKS = SAMPLES / "ddp_straggler"  # 4 ranks
 
 
@@ -75,3 +76,39 @@ def test_the_html_report_stands_alone_and_shows_the_parting(tmp_path):
     assert "B parts from A at step 0, first in the learning rate (0.001 → 0.025)" in html
     assert "<td>optimizer</td><td class=\"name\">Adam</td><td class=\"name\">SGD</td>" in html
     assert "New in B" in html and "nonfinite at step 48 in fc2" in html
+
+
+def _pdf(path):
+    """The PDF's text (squeezed: pages wrap wherever the width ends) and its images, read by pypdf."""
+    from pypdf import PdfReader
+
+    pages = PdfReader(path).pages
+    return "".join("".join(p.extract_text().split()) for p in pages), [im.image for p in pages for im in p.images]
+
+
+def test_the_pdf_report_gives_the_verdict_then_the_figures_setup_and_new_findings(tmp_path):
+    out = tmp_path / "diff.pdf"
+    r = run_cli("diff", HEALTHY, WIDE, "--pdf", out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout and out.read_bytes().startswith(b"%PDF-")
+    text, images = _pdf(out)
+    verdict = text.index("BpartsfromAatstep0,firstintheweightnormoffc2.weight(2.02xA's)")
+    setup = text.index("parameters9473136193")  # the setup table's row: setting, A, B
+    assert "shapeoffc2.weight[64,64][256,256]" in text
+    new = text.index("NewinB•warningmemory_leakatstep0")
+    assert verdict < text.index("Loss") < text.index("log10(B/A)") < setup < new
+    # The overlays (loss, lr, gradient norm) and the per-parameter picture, as drawn (7 in at 150 dpi).
+    assert len(images) == 4 and all(im.width == 1050 for im in images), [im.size for im in images]
+
+
+def test_an_identical_pair_gives_a_pdf_that_says_so_and_pdf_is_never_stdout(tmp_path):
+    out = tmp_path / "same.pdf"
+    r = run_cli("diff", HEALTHY, HEALTHY, "--pdf", out, block_torch=True)
+    assert r.returncode == 0, r.stderr
+    text, images = _pdf(out)
+    assert "BisidenticaltoA,tothebit,overthe300step(s)bothrecorded." in text
+    assert "Nodifferencerecordedinthesetup." in text and "Findingsonlyonerunhas" not in text
+    assert len(images) == 4
+    r = run_cli("diff", HEALTHY, HEALTHY, "--pdf", "-")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "PDF is not written to stdout" in r.stderr
