@@ -116,7 +116,8 @@ def _rows(idx: np.ndarray):
 
 def _block(rt: RankTrace, group: _Group, which: int, rows: np.ndarray, cache: dict) -> np.ndarray:
     """The group's columns at ``rows`` of one run. Per-step series (loss, lr, the batch's) are
-    read whole once (``cache``: a 1-D float column a step), the steps x tensors tables by rows."""
+    read whole once (``cache``: a 1-D float column a step), the steps x tensors tables by rows, as
+    the file holds them (float32: no copy to float64 of a block of 200 columns)."""
     cols = group.cols_a if which == 0 else group.cols_b
     table = group.table
     if table == "steps":
@@ -124,10 +125,10 @@ def _block(rt: RankTrace, group: _Group, which: int, rows: np.ndarray, cache: di
             if (which, c) not in cache:
                 cache[which, c] = rt.columns[c].to_numpy(dtype=np.float64)
         return np.stack([cache[which, c][rows] for c in cols], axis=1)
-    stat = table.split("/")[1]
-    frame = rt.param_stat(stat, rows=_rows(rows)) if table.startswith("params") else rt.module_rows(stat, rows=_rows(rows))
-    data = frame.to_numpy(dtype=np.float64)
-    return data[:, cols] if cols else np.zeros((len(rows), 0))
+    if not cols:
+        return np.zeros((len(rows), 0))
+    _, data = rt._read_rows(table, _rows(rows), rt.n_steps)
+    return data if cols == list(range(data.shape[1])) else data[:, cols]
 
 
 def common_steps(a: RankTrace, b: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -183,39 +184,24 @@ def first_difference(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting | No
 
 
 def statistical_parting(a: RankTrace, b: RankTrace, stages=_STAGES) -> Parting | None:
-    """The first step where B leaves A's noise band for a sustained stretch (see the docstring)."""
+    """The first step where B leaves A's noise band for a sustained stretch (see the docstring).
+    The series of a table are judged together, a block of steps at a time (one 2-D pass)."""
     steps, ia, ib = common_steps(a, b)
     groups = [g for g in _groups(a, b) if g.series and g.stage in stages]
-    # Per series: the length of the stretch beyond the band still open, and where it began.
-    state: dict[int, tuple] = {}
+    carries = [_Carry(len(g.series)) for g in groups]
     cache: dict = {}
     best = None  # (step, order, Parting)
     for s in range(0, len(steps), BLOCK):
         if best is not None and steps[s] > best[0]:
             break  # nothing that starts later can be earlier
         ra, rb = ia[s:s + BLOCK], ib[s:s + BLOCK]
-        for g in groups:
+        at = steps[s:s + BLOCK]
+        for g, carry in zip(groups, carries):
             x, y = _block(a, g, 0, ra, cache), _block(b, g, 1, rb, cache)
-            ok = _comparable(x, y, g.table) & np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                la, lb = np.log(np.where(ok, x, 1.0)), np.log(np.where(ok, y, 1.0))
-            for c, ser in enumerate(g.series):
-                rows = np.flatnonzero(ok[:, c])
-                if not rows.size or 0 < ser.numel < MIN_NUMEL:
-                    continue
-                r = lb[rows, c] - la[rows, c]
-                if ser.noiseless:
-                    beyond = np.abs(r) > 1e-6
-                else:
-                    noise = max(_noise(la[rows, c]), _noise(lb[rows, c]))
-                    beyond = np.abs(r) >= max(Z * math.sqrt(2.0) * noise, math.log(MIN_RATIO))
-                at = steps[s:s + BLOCK][rows]
-                found = _stretch(beyond, ser.sustain, state, ser.order, at, x[rows, c], y[rows, c])
-                if found is not None:
-                    step, va, vb = found
-                    key = (step, ser.order)
-                    if best is None or key < best[:2]:
-                        best = (*key, Parting(key[0], ser.stage, ser.what, ser.where, va, vb, False))
+            for c, (step, va, vb) in _beyond_band(g, x, y, at, carry):
+                ser = g.series[c]
+                if best is None or (step, ser.order) < best[:2]:
+                    best = (step, ser.order, Parting(step, ser.stage, ser.what, ser.where, va, vb, False))
     return best[2] if best is not None else None
 
 
@@ -224,39 +210,84 @@ def loss_parting(a: RankTrace, b: RankTrace, exact: bool) -> Parting | None:
     return first_difference(a, b, ("loss",)) if exact else statistical_parting(a, b, ("loss",))
 
 
-def _noise(logs: np.ndarray) -> float:
-    """A series' step-to-step noise: the median |change| of its log, as one value's std."""
+NOISE_SAMPLE = 4096  # step-to-step changes a block's noise is estimated from (a median: a sample serves)
+
+
+def _noise(logs: np.ndarray) -> np.ndarray:
+    """Each column's step-to-step noise: the median |change| of its log, as one value's std."""
     if len(logs) < 3:
-        return 0.0
-    return float(1.4826 * np.median(np.abs(np.diff(logs))) / math.sqrt(2.0))
+        return np.zeros(logs.shape[1])
+    d = np.abs(np.diff(logs, axis=0))[::max(1, (len(logs) - 1) // NOISE_SAMPLE)]
+    return 1.4826 * np.median(d, axis=0) / math.sqrt(2.0)
 
 
-def _stretch(beyond: np.ndarray, sustain: int, state: dict, key: int, at: np.ndarray, x: np.ndarray,
-             y: np.ndarray) -> tuple[int, float, float] | None:
-    """(step, A's, B's value) where a stretch of `sustain` values beyond the band began, carried
-    over from the block before; None if none completes in this block. ``at``: the steps of the
-    block's values. The series is done once one is found."""
-    n, opened = state.get(key, (0, None))
-    if n < 0:
-        return None
-    if not beyond.size:
-        return None
-    seq = np.concatenate([np.ones(n, dtype=np.int64), beyond.astype(np.int64)])
-    if len(seq) >= sustain:
-        window = np.convolve(seq, np.ones(sustain, dtype=np.int64), "valid")
-        full = np.flatnonzero(window == sustain)
-        if full.size:
-            state[key] = (-1, None)
-            j = int(full[0]) - n  # (negative: the stretch began in an earlier block)
-            return opened if j < 0 else (int(at[j]), float(x[j]), float(y[j]))
-    # No stretch completed: carry the open one (its length, where it began) to the next block.
-    falses = np.flatnonzero(~beyond)
-    if falses.size:  # the open stretch (if any) began after the last value inside the band
-        tail = len(beyond) - 1 - int(falses[-1])
-        j = int(falses[-1]) + 1
-        opened = (int(at[j]), float(x[j]), float(y[j])) if tail else None
-    else:  # every value beyond: the stretch goes on (from the block before, or from here)
-        tail = n + len(beyond)
-        opened = opened if n else (int(at[0]), float(x[0]), float(y[0]))
-    state[key] = (tail, opened if tail else None)
-    return None
+class _Carry:
+    """Per series of a group, across blocks: the stretch beyond the band still open (its length in
+    values, and the step and values it began with), and whether the series has parted."""
+
+    def __init__(self, n: int):
+        self.run = np.zeros(n, dtype=np.int64)
+        self.step = np.zeros(n, dtype=np.int64)
+        self.a, self.b = np.zeros(n), np.zeros(n)
+        self.done = np.zeros(n, dtype=bool)
+
+
+def _beyond_band(g: _Group, x: np.ndarray, y: np.ndarray, at: np.ndarray, carry: _Carry) -> list:
+    """[(column, (step, A's, B's value))] of the group's series whose stretch of ``sustain``
+    values beyond the band completes in this block (``at``: its steps), the stretch's first value
+    each; the open stretches carried to the next block. Values that either run did not measure
+    (or that are not positive and finite) neither count nor break a stretch."""
+    ok = (x > 0) & (x < np.inf) & (y > 0) & (y < np.inf)  # (-1, "not measured", is not > 0)
+    ok &= ~carry.done & np.array([not 0 < ser.numel < MIN_NUMEL for ser in g.series])
+    measured = ok.any(axis=1)  # (steps whose tensors were not measured: weight norms, watched steps)
+    if not measured.all():
+        ok, x, y, at = ok[measured], x[measured], y[measured], at[measured]
+    if not ok.size or not ok.any():
+        return []
+    la, lb = np.log(np.where(ok, x, 1.0)), np.log(np.where(ok, y, 1.0))
+    if g.series[0].noiseless:
+        beyond = ok & (np.abs(lb - la) > 1e-6)
+    else:
+        noise = np.zeros(len(g.series))
+        full = ok.all(axis=0)
+        if full.any():
+            noise[full] = np.maximum(_noise(la[:, full]), _noise(lb[:, full]))
+        for c in np.flatnonzero(~full & ok.any(axis=0)):  # (a series measured on fewer steps)
+            m = ok[:, c]
+            noise[c] = max(_noise(la[m, c:c + 1])[0], _noise(lb[m, c:c + 1])[0])
+        band = np.maximum(Z * math.sqrt(2.0) * noise, math.log(MIN_RATIO))
+        beyond = ok & (np.abs(lb - la) >= band)
+    # Only series with a value beyond the band, or a stretch open from the block before, can
+    # complete one (two seeds of one recipe: few or none).
+    cols = np.flatnonzero(beyond.any(axis=0) | (carry.run > 0))
+    if not cols.size:
+        return []
+    ok, beyond, n = ok[:, cols], beyond[:, cols], len(at)
+    rows = np.arange(n)[:, None]
+    counted = np.cumsum(ok, axis=0)  # values measured through each row
+    last_in = np.maximum.accumulate(np.where(ok & ~beyond, rows, -1), axis=0)  # the last inside the band
+    before = np.take_along_axis(counted, np.maximum(last_in, 0), axis=0)
+    run = np.where(last_in < 0, carry.run[cols] + counted, counted - before)
+    complete = beyond & (run >= g.series[0].sustain)
+
+    def first_after(row: int, k: int) -> int:  # the first measured row after `row`: where a stretch begins
+        return row + 1 + int(ok[row + 1:, k].argmax())
+
+    found = []
+    for k, c in enumerate(cols):
+        if complete[:, k].any():
+            li = int(last_in[complete[:, k].argmax(), k])
+            if li < 0 and carry.run[c]:  # the stretch began in an earlier block
+                found.append((int(c), (int(carry.step[c]), float(carry.a[c]), float(carry.b[c]))))
+            else:
+                j = first_after(li, k)
+                found.append((int(c), (int(at[j]), float(x[j, c]), float(y[j, c]))))
+            carry.done[c], carry.run[c] = True, 0
+            continue
+        # What stays open: the stretch after the block's last value inside the band.
+        li, tail = int(last_in[-1, k]), int(run[-1, k])
+        if tail and (li >= 0 or not carry.run[c]):
+            j = first_after(li, k)
+            carry.step[c], carry.a[c], carry.b[c] = int(at[j]), float(x[j, c]), float(y[j, c])
+        carry.run[c] = tail
+    return found
