@@ -4,12 +4,14 @@ mid-run, an lr spike, other seeds (the same within noise), runs of other lengths
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from tests.training import squared_error, train
-from torchautopsy import load
+from torchautopsy import Recorder, load
 from torchautopsy.analyzer.diff import diff_runs
 
 
@@ -17,11 +19,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-def _run(path, seed=0, steps=80, lr=0.01, init=None, scale_from=None, lr_at=None):
-    torch.manual_seed(seed)
-    model = _mlp()
-    if init is not None:
-        init(model)
+def _batches(seed, scale_from=None):
     w = torch.randn(16, 1, generator=torch.Generator().manual_seed(99))  # the task: the same in every run
 
     def batch(step):
@@ -32,8 +30,45 @@ def _run(path, seed=0, steps=80, lr=0.01, init=None, scale_from=None, lr_at=None
             x = x * 10  # a pipeline change: raw units from here on
         return x, y
 
+    return batch
+
+
+def _run(path, seed=0, steps=80, lr=0.01, init=None, scale_from=None, lr_at=None):
+    torch.manual_seed(seed)
+    model = _mlp()
+    if init is not None:
+        init(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    train(model, str(path), steps, batch, squared_error, optimizer=opt, lr_at=lr_at)
+    train(model, str(path), steps, _batches(seed, scale_from), squared_error, optimizer=opt, lr_at=lr_at)
+    return load(str(path))
+
+
+def _restarted(path, steps=80, checkpoint=30, died_at=50, scale_from=None):
+    """The reference recipe restarted: attempt 1 checkpoints before step 30, goes wrong from step
+    35 (its inputs rescaled) and stops after step 49; attempt 2 resumes from the checkpoint at
+    step 30 into the same run directory and runs to the end (``scale_from``: its inputs rescaled
+    from that step)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def attempt(first, last, batch, **options):
+        with Recorder(model, str(path), **options) as rec:
+            for step in range(first, last):
+                if step == checkpoint:
+                    saved.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+                x, y = batch(step)
+                loss = squared_error(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.step(loss=loss)
+
+    saved = []
+    attempt(0, died_at, _batches(0, scale_from=35))
+    model.load_state_dict(saved[0][0])
+    opt.load_state_dict(saved[0][1])
+    attempt(checkpoint, steps, _batches(0, scale_from), start_step=checkpoint)
     return load(str(path))
 
 
@@ -91,6 +126,18 @@ def test_runs_of_other_lengths_align_by_step(reference, tmp_path):
     # A longer than B, changed only after B's last step: identical over the 80 steps they share.
     d = diff_runs(_run(tmp_path / "long", steps=120, scale_from=100), reference)
     assert d.identical and d.common_steps == 80, d.verdict()
+
+
+def test_a_restarted_run_aligns_by_step_over_its_timeline(reference, tmp_path):
+    """B's attempt 1 ran steps 30-49 (wrong from 35) that its attempt 2 ran again from the
+    checkpoint: the timeline (attempt 2's steps from 30) matches A's to the bit; a change in
+    attempt 2 is dated."""
+    b = _restarted(tmp_path / "same")
+    assert [len(v) for v in b.attempts.values()] == [2]
+    d = diff_runs(reference, b)
+    assert d.identical and d.common_steps == 80, d.verdict()
+    d = diff_runs(reference, _restarted(tmp_path / "scaled", scale_from=60))
+    assert d.parted.step == 60 and d.parted.stage == "batch", d.verdict()
 
 
 def _gpt2(path, seed: int, merge_at=None):
