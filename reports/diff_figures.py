@@ -1,7 +1,7 @@
 """`diff`'s figures, drawn once as PNG and placed by both of its documents (diff_report.py's HTML,
 diff_pdf.py's PDF): A and B overlaid (loss, learning rate, total gradient norm) with the parting
-step marked, and a layers x steps picture of log10(B / A) of the gradient norms in which the first
-layer to part stands out."""
+step marked, and layers x steps pictures of log10(B / A) of the gradient norms and of the modules'
+outputs (max |x| on the steps both watched) in which the first layer to part stands out."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from matplotlib.colors import TwoSlopeNorm
 
 from ..analyzer.diff import DiffResult
 from ..analyzer.diff.trajectories import common_steps
+from ..analyzer.trace.format import UNMEASURED_IS_NEGATIVE, measured_rows
 from .context import figure, no_figure
 from .model import Figure
 from .plots import Line, bucket_edges, plot_lines, shorten
@@ -29,14 +30,19 @@ def diff_figures(r: DiffResult) -> list[Figure]:
     figures = [figure("Loss", both + where, _curves, r, "loss", marks, height_in=2.4),
                 figure("Learning rate", both + where, _curves, r, "lr", marks, height_in=2.0),
                 figure("Total gradient norm", both + where, _curves, r, "grad", marks, height_in=2.4)]
-    title = "Gradient norm of each parameter, log10(B / A) over steps"
-    try:
-        heat = _heat(r)
-    except Exception as e:  # a bug in the picture's data must not lose the rest of the report
-        return figures + [no_figure(title, f"This figure could not be drawn ({type(e).__name__}: {e}).")]
-    if heat is not None:
+    for title, table, thing in (("Gradient norm of each parameter, log10(B / A) over steps", "params/grad_norm",
+                                 "parameters"),
+                                ("Output of each module (max |x|), log10(B / A) over the watched steps",
+                                 "modules/output_absmax", "modules")):
+        try:
+            heat = _heat(r, table)
+        except Exception as e:  # a bug in the picture's data must not lose the rest of the report
+            figures.append(no_figure(title, f"This figure could not be drawn ({type(e).__name__}: {e})."))
+            continue
+        if heat is None:
+            continue
         n = len(heat[1])
-        which = (f"The {n} parameters that part most" if n == HEAT_ROWS else "Each parameter both runs hold")
+        which = f"The {n} {thing} that part most" if n == HEAT_ROWS else f"Each of the {thing} both runs hold"
         figures.append(figure(title, f"Red: B above A, blue: below; grey: not finite, or not recorded, in one of "
                                      f"them. {which}, in model order.{where}",
                               _draw_heat, *heat, marks, height_in=min(7.0, 1.2 + 0.14 * n)))
@@ -65,32 +71,47 @@ def _curves(r: DiffResult, which: str, marks, ax) -> None:
                ylabel={"loss": "loss", "lr": "lr", "grad": "norm"}[which])
 
 
-def _heat(r: DiffResult):
-    """(bucket steps, parameter names, buckets x parameters log10(B / A)), or None."""
+def _heat(r: DiffResult, table: str):
+    """(bucket edges in steps, tensor names, buckets x tensors log10(B / A)) of a steps x
+    parameters or steps x modules table, or None where nothing of it is recorded in both. The
+    modules' outputs are bucketed over the steps both runs watched (the others hold none)."""
     steps, ia, ib = common_steps(r.a, r.b)
-    pb = {p: k for k, p in enumerate(r.b.param_names)}
-    shared = [(k, pb[p]) for k, p in enumerate(r.a.param_names) if p in pb]
-    if len(steps) < 2 or not shared:
+    names = (lambda rt: rt.param_names) if table.startswith("params/") else (lambda rt: rt.module_labels)
+    nb = {p: k for k, p in enumerate(names(r.b))}
+    shared = [(k, nb[p]) for k, p in enumerate(names(r.a)) if p in nb]
+    at = np.arange(len(steps))  # the common steps drawn (positions in `steps`)
+    if table in UNMEASURED_IS_NEGATIVE and table.startswith("modules/"):
+        at = np.flatnonzero(_measured(r.a, table)[ia] & _measured(r.b, table)[ib])
+    if len(at) < 2 or not shared:
         return None
-    edges = bucket_edges(len(steps), HEAT_BUCKETS)
+    starts = at[bucket_edges(len(at), HEAT_BUCKETS)[:-1]]
     # Buckets of common steps, as row ranges of each run (rows run on where the runs hold the same steps).
-    ea = np.append(ia[edges[:-1]], ia[-1] + 1)
-    eb = np.append(ib[edges[:-1]], ib[-1] + 1)
-    va = r.a.bucketed("params/grad_norm", ea, [k for k, _ in shared])["positive_max"]
-    vb = r.b.bucketed("params/grad_norm", eb, [j for _, j in shared])["positive_max"]
+    ea = np.append(ia[starts], ia[at[-1]] + 1)
+    eb = np.append(ib[starts], ib[at[-1]] + 1)
+    va = r.a.bucketed(table, ea, [k for k, _ in shared])["positive_max"]
+    vb = r.b.bucketed(table, eb, [j for _, j in shared])["positive_max"]
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.log10(vb / va)
-    worst = np.nan_to_num(np.abs(ratio), nan=0.0).max(axis=0)
+    if not np.isfinite(ratio).any():
+        return None
+    worst = np.nan_to_num(np.abs(ratio), nan=0.0, posinf=0.0, neginf=0.0).max(axis=0)
     keep = np.sort(np.argsort(-worst, kind="stable")[:HEAT_ROWS])
-    names = [r.a.param_names[shared[k][0]] for k in keep]
-    return steps[edges[:-1]], names, ratio[:, keep]
+    x = np.append(steps[starts], steps[-1] + 1)
+    x[0] = steps[0]  # (the first and last buckets reach the ends: every picture spans the same steps)
+    return x, [names(r.a)[shared[k][0]] for k in keep], ratio[:, keep]
+
+
+def _measured(rt, table: str) -> np.ndarray:
+    """Which rows of the table were measured (watched steps), read a block at a time."""
+    parts = [measured_rows(block) for _, block in rt.blocks(table)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
 def _draw_heat(x, names, ratio, marks, ax) -> None:
-    span = (x[0], x[-1] + (x[-1] - x[0]) / max(len(x) - 1, 1))
-    im = ax.imshow(np.clip(ratio.T, -HEAT_RANGE, HEAT_RANGE), aspect="auto", interpolation="nearest",
-                   cmap=matplotlib.colormaps["RdBu_r"].with_extremes(bad="#bdbdbd"), norm=TwoSlopeNorm(0.0, -HEAT_RANGE, HEAT_RANGE),
-                   extent=(span[0], span[1], len(names) - 0.5, -0.5))
+    im = ax.pcolormesh(x, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(np.clip(ratio.T, -HEAT_RANGE, HEAT_RANGE)),
+                       cmap=matplotlib.colormaps["RdBu_r"].with_extremes(bad="#bdbdbd"),
+                       norm=TwoSlopeNorm(0.0, -HEAT_RANGE, HEAT_RANGE), shading="flat")
+    ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_yticks(range(len(names)))
     # plots.shorten escapes "$" already (a second escape would print a backslash before it).
     ax.set_yticklabels([shorten(n, 36) for n in names], fontsize=6)

@@ -98,6 +98,13 @@ def test_a_layer_initialised_3x_larger_is_named_at_step_0(reference, tmp_path):
     assert d.parted.step == 0 and d.parted.where == ["2"], d.verdict()
     assert 2.0 < d.parted.ratio < 4.5, d.parted
     assert d.to_dict()["parted"]["where"] == ["2"]
+    # The report's per-module picture: at the first watched steps, layer 2's output is the first
+    # to stand out (~3x); the layers before it are A's.
+    from torchautopsy.reports.diff_figures import _heat
+
+    x, names, ratio = _heat(d, "modules/output_absmax")
+    first = dict(zip(names, ratio[0]))
+    assert abs(first["0"]) < 0.01 and abs(first["1"]) < 0.01 and 0.3 < first["2"] < 0.65, first
 
 
 def test_inputs_scaled_10x_part_in_the_batch_before_any_module(reference, tmp_path):

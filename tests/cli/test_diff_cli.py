@@ -72,7 +72,9 @@ def test_the_html_report_stands_alone_and_shows_the_parting(tmp_path):
     html = out.read_text()
     # Self-contained: figures inline, no script, nothing fetched.
     assert "<script" not in html and "http://" not in html and "https://" not in html
-    assert html.count('src="data:image/png;base64,') == 4  # loss, lr, gradient norm, per-parameter picture
+    # loss, lr, gradient norm, the per-parameter and the per-module pictures
+    assert html.count('src="data:image/png;base64,') == 5
+    assert "Output of each module (max |x|), log10(B / A) over the watched steps" in html
     assert "B parts from A at step 0, first in the learning rate (0.001 → 0.025)" in html
     assert "<td>optimizer</td><td class=\"name\">Adam</td><td class=\"name\">SGD</td>" in html
     assert "New in B" in html and "nonfinite at step 48 in fc2" in html
@@ -98,7 +100,7 @@ def test_the_pdf_report_gives_the_verdict_then_the_figures_setup_and_new_finding
     new = text.index("NewinB•warningmemory_leakatstep0")
     assert verdict < text.index("Loss") < text.index("log10(B/A)") < setup < new
     # The overlays (loss, lr, gradient norm) and the per-parameter picture, as drawn (7 in at 150 dpi).
-    assert len(images) == 4 and all(im.width == 1050 for im in images), [im.size for im in images]
+    assert len(images) == 5 and all(im.width == 1050 for im in images), [im.size for im in images]
 
 
 def test_an_identical_pair_gives_a_pdf_that_says_so_and_pdf_is_never_stdout(tmp_path):
@@ -108,7 +110,7 @@ def test_an_identical_pair_gives_a_pdf_that_says_so_and_pdf_is_never_stdout(tmp_
     text, images = _pdf(out)
     assert "BisidenticaltoA,tothebit,overthe300step(s)bothrecorded." in text
     assert "Nodifferencerecordedinthesetup." in text and "Findingsonlyonerunhas" not in text
-    assert len(images) == 4
+    assert len(images) == 5
     r = run_cli("diff", HEALTHY, HEALTHY, "--pdf", "-")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "PDF is not written to stdout" in r.stderr
