@@ -28,14 +28,14 @@ _COMPARE = ("import sys, json; from torchautopsy import load; from torchautopsy.
             "d = diff_runs(load(sys.argv[1]), load(sys.argv[2])); print(json.dumps(d.to_dict()['parted']))")
 
 
-def _timed(cmd: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of a command in a fresh process."""
+def _timed(cmd: list[str]) -> tuple[float, float, int, str]:
+    """(wall seconds, CPU seconds, peak RSS bytes, stdout) of a command in a fresh process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "MPLBACKEND": "Agg"})
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
-    return time.perf_counter() - t0, int(usage.ru_maxrss) * 1024, out
+    return time.perf_counter() - t0, usage.ru_utime + usage.ru_stime, int(usage.ru_maxrss) * 1024, out
 
 
 def _trace(base: str, name: str, steps: int, params: int, *extra: str) -> str:
@@ -65,20 +65,21 @@ def main() -> None:
              ("another seed", _trace(base, f"b_seed1_{n}_{p}", n, p, "--seed", "1", "--levels-seed", "0"))]
     rows = []
     for label, other in pairs:
-        wall, rss, out = _timed([sys.executable, "-c", _COMPARE, ref, other])
-        rows.append((label, "diff_runs", wall, rss, out.strip()))
-        print(f"  {label}: comparison {wall:.1f} s, {rss / 2**20:.0f} MiB: parted {out.strip()}", flush=True)
+        wall, cpu, rss, out = _timed([sys.executable, "-c", _COMPARE, ref, other])
+        rows.append((label, "diff_runs", wall, cpu, rss, out.strip()))
+        print(f"  {label}: comparison {wall:.1f} s ({cpu:.1f} CPU-s), {rss / 2**20:.0f} MiB: parted {out.strip()}",
+              flush=True)
         if not a.no_cli:
-            wall, rss, out = _timed([sys.executable, "-m", "torchautopsy", "diff", ref, other, "--json", "-"])
+            wall, cpu, rss, out = _timed([sys.executable, "-m", "torchautopsy", "diff", ref, other, "--json", "-"])
             parted = json.loads(out)["parted"] if out.strip().startswith("{") else out[:80]
-            rows.append((label, "torchautopsy diff", wall, rss, json.dumps(parted)))
-            print(f"  {label}: command {wall:.1f} s, {rss / 2**20:.0f} MiB", flush=True)
+            rows.append((label, "torchautopsy diff", wall, cpu, rss, json.dumps(parted)))
+            print(f"  {label}: command {wall:.1f} s ({cpu:.1f} CPU-s), {rss / 2**20:.0f} MiB", flush=True)
     print(f"\n{n:,} steps x {p} parameter tensors and {p} modules (python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs)\n")
-    print("| pair | what | wall time | peak RSS | parted |")
-    print("| --- | --- | ---: | ---: | --- |")
-    for label, what, wall, rss, parted in rows:
-        print(f"| {label} | {what} | {wall:.1f} s | {rss / 2**20:,.0f} MiB | {parted} |")
+    print("| pair | what | wall time | CPU time | peak RSS | parted |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for label, what, wall, cpu, rss, parted in rows:
+        print(f"| {label} | {what} | {wall:.1f} s | {cpu:.1f} s | {rss / 2**20:,.0f} MiB | {parted} |")
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
 
