@@ -26,6 +26,7 @@ from .config_file import load_config
 from .display import shorten_words
 from .errors import ConfigError, TraceError
 from .export import ExportError
+from .findings import not_checked
 from .output import STDOUT, check_outputs, write_output, write_stdout
 from .parallel import workers_for
 from .run import analyze as run_detectors
@@ -272,7 +273,8 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
 
         write_stdout(render_markdown(trace, findings))
 
-    if fail_on != "none" and any(f.at_least(fail_on) for f in findings):
+    # A detector that could not judge the trace ("not checked") says nothing of the training.
+    if fail_on != "none" and any(f.at_least(fail_on) and not not_checked(f) for f in findings):
         sys.exit(1)
 
 

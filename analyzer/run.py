@@ -77,7 +77,7 @@ def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Findin
     findings = []
     for rt, attempt in units:
         for det in DETECTORS:
-            lacking = [name for name in det.REQUIRES if rt.lacks(name)]
+            lacking = [name for name in det.REQUIRES if not rt.holds(name)]
             found = _not_checked(det.KIND, lacking) if lacking else \
                 _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
             findings.extend(_of_attempt(replace(with_code(f, rt), rank=rank), attempt) for f in found)
@@ -113,6 +113,20 @@ def checked_kinds(findings: list[Finding], n_ranks: int = 1) -> tuple[str, ...]:
     skipped = {f.kind for f in findings if not_checked(f)}
     return tuple(d.KIND for d in (*DETECTORS, *CROSS_DETECTORS)
                  if d.KIND not in skipped and n_ranks >= getattr(d, "MIN_RANKS", 1))
+
+
+def not_checked_line(findings: list[Finding]) -> str | None:
+    """One line for every detector that could not judge the trace: what each lacks (the reports
+    print it instead of a finding each)."""
+    lacking: dict[str, list[str]] = {}
+    for f in findings:
+        if not_checked(f):
+            names = lacking.setdefault(f.kind, [])
+            names += [n for n in f.evidence.get("lacking", []) if n not in names]
+    if not lacking:
+        return None
+    return ("Not checked, as this trace does not hold what they need: "
+            + "; ".join(f"{kind} ({', '.join(names)})" for kind, names in lacking.items()) + ".")
 
 
 def _not_checked(kind: str, lacking: list[str]) -> list[Finding]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from .. import __version__
 from ..analyzer.config import AnalysisConfig
-from ..analyzer.findings import Finding, sort_findings
+from ..analyzer.findings import Finding, not_checked, sort_findings
 from ..analyzer.restarts import attempt_view
 from ..analyzer.trace import Trace
 from . import appendix, distributions, overview, ranks
@@ -32,7 +32,8 @@ Progress = Callable[[int, int, str], None]
 def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | None = None,
                  progress: Progress | None = None) -> Report:
     """The report of ``trace`` and its ``findings``: most severe first, then by step."""
-    findings = sort_findings(findings)
+    everything = sort_findings(findings)
+    findings = [f for f in everything if not not_checked(f)]  # (the verdict says those in one line)
     ctx = Context(trace, findings, cfg or AnalysisConfig())
     shown = findings[:MAX_FULL_FINDINGS]
     anchors = {id(f): f"finding-{i + 1}" for i, f in enumerate(shown)}
@@ -86,7 +87,7 @@ def build_report(trace: Trace, findings: list[Finding], cfg: AnalysisConfig | No
             where=tuple(f.where[:MAX_WHERE]), where_more=max(0, len(f.where) - MAX_WHERE),
             code=_code_places(f.where[:MAX_WHERE], f.evidence),
             summary=f.summary, evidence=evidence_rows(f.evidence), advice=f.advice, figure=fig))
-    verdict = build_verdict(findings, len(trace.ranks), anchors)
+    verdict = build_verdict(everything, len(trace.ranks), anchors)
     first = next((v for v in views if v.anchor == verdict.first_anchor), None)
     if first is not None and first.figure is not None and first.figure.png:
         verdict = replace(verdict, figure=first.figure)  # the first cause's figure, on the first screen

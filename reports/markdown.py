@@ -11,8 +11,9 @@ import shlex
 
 from ..analyzer.display import NAME_CHARS, printable, shorten, shorten_words
 from ..analyzer.export import fired_blackbox
-from ..analyzer.findings import Finding, first_to_go_wrong
+from ..analyzer.findings import Finding, first_to_go_wrong, not_checked
 from ..analyzer.restarts import restart_lines
+from ..analyzer.run import not_checked_line
 from ..analyzer.trace import Trace
 from .model import plain
 from .summary import build_verdict, run_line
@@ -35,6 +36,10 @@ def render_markdown(trace: Trace, findings: list[Finding]) -> str:
     restarts = [f"- {md_text(line, 400, NAME_CHARS)}" for line in restart_lines(trace)]  # a file per attempt
     lines = [f"# torchautopsy report: {md_text(trace.run_dir, 200)}", "", _run_line(trace), "",
              *(["**Restarts:**", "", *restarts, ""] if restarts else []), _verdict_line(findings, len(trace.ranks)), ""]
+    lacking = not_checked_line(findings)
+    if lacking:
+        lines += [md_text(lacking, _VERDICT_CHARS, NAME_CHARS), ""]
+    findings = [f for f in findings if not not_checked(f)]  # (that line says it once)
     lines += _findings_table(findings) if findings else ["No findings."]
     first = first_to_go_wrong(findings)
     box = _blackbox_line(trace, first.rank if first is not None else None)

@@ -89,6 +89,7 @@ class Verdict:
     first_anchor: str | None  # the finding the chain starts with
     fix: str = ""  # the first finding's advice, its first sentence: what to do first
     figure: "Figure | None" = None  # the first finding's figure, shown with the verdict
+    not_checked: str = ""  # one line: the detectors that could not judge the trace, and what each lacks
 
 
 @dataclass(frozen=True)

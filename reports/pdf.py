@@ -96,6 +96,8 @@ class _Doc(PdfDoc):
             if v.severity == "ok":
                 self._text(f"Checked: {', '.join(v.checked)}." + (f" {v.n_notes} note(s) below." if v.n_notes else ""),
                            size=10)
+            if v.not_checked:
+                self._text(v.not_checked, size=10)
         if v.figure is not None:
             self._figure(v.figure)
 

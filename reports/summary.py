@@ -11,9 +11,9 @@ import re
 import numpy as np
 
 from ..analyzer.cross_rank.merge import rank_set
-from ..analyzer.findings import STAGES, Finding, first_to_go_wrong
+from ..analyzer.findings import STAGES, Finding, first_to_go_wrong, not_checked
 from ..analyzer.restarts import restart_lines
-from ..analyzer.run import checked_kinds
+from ..analyzer.run import checked_kinds, not_checked_line
 from ..analyzer.trace import RankTrace, Trace
 from .format import format_bytes, format_duration, plural
 from .model import Fact, Span, Text, Verdict
@@ -39,9 +39,11 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     ``anchors`` maps id(finding) to its place in the report, for a link to the first one.
     """
     problems = [f for f in findings if f.severity in PROBLEM_SEVERITIES]
-    notes = len(findings) - len(problems)
+    notes = sum(f.severity not in PROBLEM_SEVERITIES and not not_checked(f) for f in findings)
+    lacking = not_checked_line(findings) or ""
     if not problems:
-        return Verdict("ok", "No problem found", (), checked_kinds(findings, n_ranks), 0, notes, None)
+        return Verdict("ok", "No problem found", (), checked_kinds(findings, n_ranks), 0, notes, None,
+                       not_checked=lacking)
     worst = "error" if any(f.severity == "error" for f in problems) else "warning"
     counts = [plural(sum(f.severity == s for f in problems), s) for s in PROBLEM_SEVERITIES
               if any(f.severity == s for f in problems)]
@@ -73,7 +75,7 @@ def build_verdict(findings: list[Finding], n_ranks: int = 1,
     headline = f"{', '.join(counts)}; first to go wrong: {head_f.kind}{at}{on}"
     anchor = (anchors or {}).get(id(head_f))
     return Verdict(worst, headline, tuple(sentences), checked_kinds(findings, n_ranks), len(problems), notes, anchor,
-                   fix=first_fix(head_f.advice))
+                   fix=first_fix(head_f.advice), not_checked=lacking)
 
 
 _ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "approx.")

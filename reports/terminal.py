@@ -26,9 +26,9 @@ from ..analyzer.display import NAME_CHARS, TITLE_CHARS, printable, shorten, shor
 from ..analyzer.errors import TraceError
 from ..analyzer.export import describe_stored, fired_blackbox
 from ..analyzer.cross_rank.merge import rank_set
-from ..analyzer.findings import SEVERITIES, Finding, first_to_go_wrong
+from ..analyzer.findings import SEVERITIES, Finding, first_to_go_wrong, not_checked
 from ..analyzer.restarts import attempt_lines, blackbox_lines, restart_lines
-from ..analyzer.run import checked_kinds
+from ..analyzer.run import checked_kinds, not_checked_line
 from ..analyzer.series import spacing
 from ..analyzer.trace import Trace
 from .terminal_style import PLAIN, Style
@@ -73,6 +73,10 @@ def analyze_lines(trace: Trace, findings: list[Finding], style: Style = PLAIN) -
                    f"analyzed the {n:,} steps {'it' if len(ranks) == 1 else 'each'} flushed")
     if not any(f.severity in _PROBLEMS for f in findings):
         yield style.verdict(wrap(f"No problem found (checked: {', '.join(checked_kinds(findings, len(trace.ranks)))})."))
+    lacking = not_checked_line(findings)
+    if lacking:
+        yield wrap(f"  {lacking}")
+    findings = [f for f in findings if not not_checked(f)]  # (that line says it once)
     for f in findings:
         yield finding_line(f, style)
     first = first_to_go_wrong(findings)

@@ -71,6 +71,14 @@ LAYOUT: dict[str, list[tuple]] = {
                    ("typical_step_s", "f4"), ("stack", "str")],
     # Every fingerprint_every steps: per parameter, an exact int64 checksum of its bits.
     "fingerprints": [("step", "i8"), ("bits", "i8", P)],
+    # Empty unless the profiler ran / memory ran out; the recorder creates them in every trace.
+    "profile_ops": [("window", "i4"), ("name", "str"), ("calls", "i8"), ("cpu_self_us", "f8"), ("cpu_total_us", "f8"),
+                    ("device_self_us", "f8"), ("device_total_us", "f8"), ("cpu_memory_bytes", "i8"),
+                    ("device_memory_bytes", "i8")],
+    "oom_events": [("step", "i8"), ("time_s", "f8"), ("source", "str"), ("device", "str"), ("requested_bytes", "i8"),
+                   ("device_allocated_bytes", "i8"), ("device_reserved_bytes", "i8"), ("device_free_bytes", "i8"),
+                   ("device_total_bytes", "i8"), ("rss_bytes", "i8"), ("snapshot", "i4"), ("message", "str"),
+                   ("raised_at", "str")],
 }
 HEARTBEAT_PHASES = ("data", "forward", "backward", "recorder", "between_steps")
 PER_STEP = ("steps", "params", "modules")

@@ -181,6 +181,11 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
         """Rows of a sampled table (activations, updates, attention); 0 if absent."""
         return len(self.sample_steps(table))
 
+    def holds(self, name: str) -> bool:
+        """Whether the file itself holds dataset ``name``: what a detector needs before it says it
+        checked the trace (a column upgrade.py fills in for an older trace reads as "not measured")."""
+        return self._has(name)
+
     def lacks(self, name: str) -> bool:
         """Whether the trace lacks dataset ``name`` (e.g. "steps/lr") and the reader cannot fill it
         in (upgrade.py: datasets added after the first traces read as "not measured")."""

@@ -1,5 +1,6 @@
 """Older traces: a trace that lacks every dataset added after the first traces (upgrade.ADDED)
-reads as upgrade.py says, is analyzed without a "not checked" for them. (That each of those datasets is one today's
+reads as upgrade.py says, and is analyzed, the detectors that need one of them saying "not
+checked" (a column filled in as "not measured" cannot be judged). (That each of those datasets is one today's
 recorder writes: test_schema_agreement.py.)"""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tracebuilder import TraceBuilder, findings
+from torchautopsy.analyzer.detectors import DETECTORS
 from torchautopsy.analyzer.trace import load, upgrade
 
 
@@ -31,7 +33,8 @@ def test_a_trace_lacking_every_added_dataset_reads_as_upgrade_says(tmp_path):
     # Schema 1 watched every step of an activity window.
     assert [w[-1] for w in rt.activity_windows()] == [5, 10]
     kinds = {f.kind for f in findings(tmp_path) if f.summary.startswith(f"{f.kind} not checked")}
-    assert not kinds & {"slow_steps", "loss_scale_collapse"}, kinds
+    assert kinds == {d.KIND for d in DETECTORS if any(upgrade.added(n) for n in d.REQUIRES)}, kinds
+    assert {"slow_steps", "loss_scale_collapse", "input_data", "train_eval_mode"} <= kinds
 
 
 def test_a_filled_column_is_read_only_like_every_column():

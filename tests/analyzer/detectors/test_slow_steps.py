@@ -41,4 +41,5 @@ def test_older_trace_without_step_times(tmp_path):
     # Step-time columns came after the first traces: absent, they read as NaN (not timed).
     run().set("steps/forward_s", 1.0, at=60).without("steps/between_steps_s", "steps/data_wait_s", "steps/forward_s",
                                                      "steps/backward_s", "steps/recorder_s").write(tmp_path)
-    assert findings(tmp_path, KIND) == []
+    [f] = findings(tmp_path, KIND)  # (read as "not timed": not judged)
+    assert f.severity == "info" and "not checked" in f.summary and f.evidence["lacking"] == ["steps/forward_s"]
