@@ -16,10 +16,10 @@ class RecorderConfig:
     # Every `activations_every`-th step (or `attention_every`-th, the smaller) in the first
     # `watch_warmup` steps; then as often as that allows, but sparser if watched steps would add
     # more than `watch_budget` of the training time, though never sparser than one per activity
-    # window. A watched step costs a few passes over each activation and ~10 us of Python per
-    # module (MLP 8x512 on one core: ~5 ms on a 35 ms step; a small transformer: ~20 ms on 83 ms;
-    # measured): 0.3% spaces both at every 50th step, one per activity window; a large model on a
-    # GPU stays at every 10th. watch_budget=1 keeps the fixed schedule.
+    # window. A watched step costs a few passes over each activation and some Python per module
+    # (what that is on the benchmarks' models: benchmarks/README.md, "What the defaults cost"), so
+    # a small CPU model is watched about every 50th step, one per activity window; a large model
+    # on a GPU stays at every 10th. watch_budget=1 keeps the fixed schedule.
     activations_every: int = 10
     watch_budget: float = 0.003
     watch_warmup: int = 100
@@ -32,10 +32,9 @@ class RecorderConfig:
     # weights taken one step earlier, so it is sampled: every `update_ratio_every`-th step in the
     # first `watch_warmup` steps, then as often as that allows, but sparser (a multiple of it, at
     # most 10 times it) if the two steps of a sample would add more than `update_ratio_budget` of
-    # the training time. On one CPU core a sample costs a copy and two passes over the weights
-    # and two recorded steps (MLP 8x512: ~1-2 ms on a 34 ms step, ~0.6% at every 10th; measured):
-    # 0.15% spaces it at every ~70th. update_ratio_budget=1 keeps the fixed schedule unless a
-    # sample costs more than update_ratio_every plain steps.
+    # the training time. A sample costs a copy and two passes over the weights and two recorded
+    # steps. update_ratio_budget=1 keeps the fixed schedule unless a sample costs more than
+    # update_ratio_every plain steps.
     update_ratio_every: int = 10
     update_ratio_budget: float = 0.0015
     # Per-unit activity of ReLU-family/GELU outputs (dead units) and saturation of tanh/sigmoid
@@ -48,17 +47,16 @@ class RecorderConfig:
     attention_every: int = 10
     # Census of live tensors (count, bytes, how many hold an autograd graph) through the garbage
     # collector's object list: every 50 steps at most, and less often if a census would take more
-    # than census_budget of the training time. It reads every object Python tracks: ~50 ms in a
-    # process that imported torch (~290,000 objects; measured), so the MLP of benchmarks/ (35 ms
-    # steps) takes one every ~900 steps. Memory climbing to a new high takes one too (memory_probe.py).
+    # than census_budget of the training time. It reads every object Python tracks (a process
+    # that imported torch has hundreds of thousands), so jobs of short steps take one rarely.
+    # Memory climbing to a new high takes one too (memory_probe.py).
     census_every: int = 50
     # Share of the training time the census may take; sparser than census_every if needed.
     census_budget: float = 0.0015
     # torch.profiler windows of `profile_steps` steps: the first at step `profile_first` (after
-    # warm-up), then every `profile_every` steps. A window costs what the profiler costs (about
-    # 1.2x on its steps, more with memory and shapes recorded); 2 steps every 1,000 add ~0.1%.
-    # Two steps show a steady-state step and the boundary between steps; each window's trace is
-    # 50-400 KB gzipped for small models (measured). profile_steps=0 turns them off.
+    # warm-up), then every `profile_every` steps. A window costs what the profiler costs on its
+    # steps (more with memory and shapes recorded), so 2 steps every 1,000 cost little. Two steps
+    # show a steady-state step and the boundary between steps. profile_steps=0 turns them off.
     profile_first: int = 10
     profile_steps: int = 2
     profile_every: int = 1000
@@ -124,11 +122,9 @@ class RecorderConfig:
     # leaf-module outputs. Every `histogram_every`-th step in the first `watch_warmup` steps, then
     # as often as that allows, but sparser (a multiple of it, at most 10 times it) if histogram
     # steps would add more than `histogram_budget` of the training time. Such a step hooks every
-    # module and makes a shift and a bincount over each tensor (~2 ns per element on one CPU core:
-    # the MLP 8x512 of benchmarks/ takes ~11 ms more on such a step, a third of a step; measured),
-    # so 0.1% spaces them at every ~400th step there; a model whose steps are long against its
-    # size keeps every 100th. 196 x 4 bytes per tensor per sample (a model of 100 layers: ~2.4 KB
-    # per step at every 100th). 0: off; histogram_budget=1 keeps every histogram_every-th step
+    # module and makes a shift and a bincount over each tensor, so a small CPU model's steps
+    # are spaced wider; a model whose steps are long against its size keeps every 100th. 196 x 4
+    # bytes per tensor per sample. 0: off; histogram_budget=1 keeps every histogram_every-th step
     # unless one costs more than histogram_every plain steps.
     histogram_every: int = 100
     histogram_budget: float = 0.001
@@ -151,18 +147,16 @@ class RecorderConfig:
     # gets the parameters and buffers as they were before the bad update, the inputs of that
     # step's forward passes, the gradients and optimizer state of the affected parameters, and
     # the RNG states (torch's at the step's first forward). Until then it copies nothing but the
-    # buffers. Its cost per step (measured, MLP 8x512 on one CPU core, ~40 ms steps):
+    # buffers. Its cost per step:
     # - memory: references to the model's forward inputs, released at rec.step(): no more than
     #   the loop holds anyway (one batch), and one device copy of the persistent buffers
     #   (BatchNorm statistics: their values at the step's first forward; a few KB usually);
-    # - time: ~6 us in a forward pre-hook (torch's RNG state, a foreach copy of the buffers), and
-    #   in an optimizer step pre-hook the gradient norms rec.step() records anyway, computed
-    #   there instead (before the update) plus an isfinite check and one host sync (on CUDA the
-    #   optimizer's kernels start after the backward has finished: tens of us).
+    # - time: a forward pre-hook (torch's RNG state, a foreach copy of the buffers), and in an
+    #   optimizer step pre-hook the gradient norms rec.step() records anyway, computed there
+    #   instead (before the update) plus an isfinite check and one host sync.
     # When it fires (once): one host copy of the model, the batch, the gradients and optimizer
     # state of the affected parameters (all of them after a NaN loss; Adam keeps 2 tensors per
-    # parameter), written and flushed before the update goes on (MLP with 2.1M parameters:
-    # ~120 ms, ~34 MB). Without an optimizer step (a hand-written update) it fires at
+    # parameter), written and flushed before the update goes on. Without an optimizer step (a hand-written update) it fires at
     # rec.step(), with the parameters after that update. False turns it off.
     blackbox: bool = True
 
