@@ -97,6 +97,7 @@ class ProfilerWindows:
         self.n_deferred = 0
         self.skipped = 0  # windows never opened: the next was due first, or the Recorder closed
         self.lost = 0  # windows whose result the job's own torch.profiler took (see end())
+        self._exported: list = []  # profilers whose window the writer has exported (see _release())
         self._quiet = _CppWarnings()
 
     def _starts_at(self, step: int) -> bool:
@@ -105,6 +106,7 @@ class ProfilerWindows:
     def begin(self, step: int) -> None:
         """Called when step `step` is about to run (end of the previous rec.step())."""
         global _owner, _passes
+        self._release()
         if self.prof is not None or self.steps <= 0:
             return
         if self._starts_at(step):
@@ -165,7 +167,16 @@ class ProfilerWindows:
         except Exception:  # (a private API: where it is missing, export as before)
             pass
         window, self.window = self.window, self.window + 1
-        return _task(prof, window, self._start_step, step, self._window_due)
+        return _task(prof, window, self._start_step, step, self._window_due, self._exported)
+
+    def _release(self) -> None:
+        """Free the results of exported windows now, on the training thread at a step boundary.
+        torch.profiler.profile holds its own bound methods (a reference cycle), so its results
+        (~5 MB of small blocks for a small CNN) would wait for a full GC; meanwhile they cut
+        glibc's free heap into pieces smaller than an activation, and every later step took its
+        activations from the heap's top and gave them back (benchmarks/README.md, glibc)."""
+        while self._exported:
+            self._exported.pop().profiler = None
 
     def _stop(self) -> None:
         """Stop this window's profiler and hand the process's profiler back."""
@@ -275,23 +286,27 @@ class _CppWarnings:
                 flag.value = self._WARNING
 
 
-def _task(prof, window: int, start: int, end: int, due: int):
-    """What the writer thread runs: the window's rows and its gzipped Chrome trace."""
+def _task(prof, window: int, start: int, end: int, due: int, exported: list):
+    """What the writer thread runs: the window's rows and its gzipped Chrome trace. Then `prof`
+    goes to `exported`, for the training thread to free its results (ProfilerWindows._release)."""
 
     def run(writer) -> dict:
-        fd, path = tempfile.mkstemp(suffix=".json", prefix="torchautopsy-profile-")
-        os.close(fd)
         try:
-            prof.export_chrome_trace(path)
-            with open(path, "rb") as f:
-                data = f.read()
+            fd, path = tempfile.mkstemp(suffix=".json", prefix="torchautopsy-profile-")
+            os.close(fd)
+            try:
+                prof.export_chrome_trace(path)
+                with open(path, "rb") as f:
+                    data = f.read()
+            finally:
+                os.unlink(path)
+            # Level 1: ~10x faster than 9 for ~1.6x the bytes (a 4.7 MB trace of the small
+            # transformer: 11 ms and 409 KB, against 111 ms and 249 KB; measured).
+            blob = gzip.compress(data, compresslevel=1)
+            offset = writer.append_blob(np.frombuffer(blob, dtype=np.uint8))
+            ops = [{"window": window, **row} for row in op_table(window_events(prof, data))]
         finally:
-            os.unlink(path)
-        # Level 1: ~10x faster than 9 for ~1.6x the bytes (a 4.7 MB trace of the small
-        # transformer: 11 ms and 409 KB, against 111 ms and 249 KB; measured).
-        blob = gzip.compress(data, compresslevel=1)
-        offset = writer.append_blob(np.frombuffer(blob, dtype=np.uint8))
-        ops = [{"window": window, **row} for row in op_table(window_events(prof, data))]
+            exported.append(prof)
         return {
             # (step_due: when it was due, if it had to wait; a column once the table has one)
             "profile_windows": {"window": window, "step_start": start, "step_end": end, "step_due": due,
