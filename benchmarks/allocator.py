@@ -13,11 +13,16 @@ minor page faults a step (``ru_minflt``), and glibc's ``mallinfo2()`` at the end
 of the main heap, ``hblkhd``: bytes in mmapped blocks, ``keepcost``: the free top of the heap).
 
 What it showed (benchmarks/README.md, "glibc's malloc"): the mmap threshold settles at 8 MiB in
-bare and recorded processes alike (the first step's largest activation); what differs is the
-layout the recorder's torch.profiler window (steps 10-11) leaves: from then on every step takes
-its activations from the heap's top and gives them back. The extra configurations say so:
+bare and recorded processes alike (the first step's largest activation); what differs is the heap's
+layout. The results of a torch.profiler window (steps 10-11) stay alive after their export until a
+full GC (``torch.profiler.profile`` is a reference cycle) and cut the heap, grown by the window, into
+holes smaller than an activation: every later step took its activations from the heap's top and
+gave them back. The recorder now frees them after the export. The extra configurations:
 ``recorder-noprof`` (no windows), ``recorder-lite`` (windows without shapes and memory events),
-``bare-prof`` (the bare loop with one window). ``TORCHAUTOPSY_ALLOC_MARK=1`` makes each step start
+``bare-prof`` (the bare loop with one window), ``bare-prof-free`` (its results freed after the
+export), ``bare-prof-warm`` (the profiler started once before the loop), ``bare-prof-trim`` and
+``recorder-trim`` (``malloc_trim(0)`` after the export), ``recorder-free`` (the results freed on the
+writer thread too). ``TORCHAUTOPSY_ALLOC_MARK=1`` makes each step start
 with a failing ``access()`` of ``/nonexistent-torchautopsy/step-N``, a marker for
 ``strace -f -e trace=memory,access``.
 
@@ -74,8 +79,26 @@ def child(config: str, steps: int, warmup: int) -> dict:
     model.train()
     with tempfile.TemporaryDirectory(prefix="torchautopsy-alloc-") as tmp:
         rec = prof = None
-        if config in ("recorder", "recorder-noprof", "recorder-lite"):
+        if config in ("recorder", "recorder-noprof", "recorder-lite", "recorder-trim",
+                      "recorder-free"):
             from torchautopsy import Recorder
+            if config in ("recorder-trim", "recorder-free"):
+                # after the window's export, on the writer thread: malloc_trim(0), or its results freed
+                from torchautopsy.recorder import profiler as _profiler
+                task = _profiler._task
+
+                def after(prof, *a):
+                    run = task(prof, *a)
+
+                    def run_then(writer):
+                        out = run(writer)
+                        if config == "recorder-trim":
+                            ctypes.CDLL(None).malloc_trim(0)
+                        else:
+                            prof.profiler = None
+                        return out
+                    return run_then
+                _profiler._task = after
             if config == "recorder-lite":  # its windows without input shapes and memory events
                 full = torch.profiler.profile
 
@@ -85,8 +108,16 @@ def child(config: str, steps: int, warmup: int) -> dict:
                 torch.profiler.profile = Lite
             options = {"profile_steps": 0} if config == "recorder-noprof" else {}
             rec = Recorder(model, os.path.join(tmp, "run"), **options)
-        elif config != "bare" and config != "bare-prof":
+        elif config not in ("bare", "bare-prof", "bare-prof-trim", "bare-prof-warm", "bare-prof-free"):
             raise SystemExit(f"unknown config {config!r} (see --configs)")
+        if config == "bare-prof-warm":  # the profiler's first start and stop before the loop
+            warm = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                          record_shapes=True, profile_memory=True)
+            warm.start()
+            torch.ones(1).add_(1)
+            warm.stop()
+            del warm
+        libc = ctypes.CDLL(None)
 
         mark = os.environ.get("TORCHAUTOPSY_ALLOC_MARK")  # strace -e trace=memory,access sees the steps
 
@@ -94,7 +125,7 @@ def child(config: str, steps: int, warmup: int) -> dict:
             if mark:
                 os.access(f"/nonexistent-torchautopsy/step-{i}", os.F_OK)
             nonlocal prof
-            if config == "bare-prof" and i in (10, 12):  # the recorder's first window, alone
+            if config.startswith("bare-prof") and i in (10, 12):  # the recorder's first window, alone
                 if prof is None:
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                   record_shapes=True, profile_memory=True)
@@ -102,7 +133,11 @@ def child(config: str, steps: int, warmup: int) -> dict:
                 else:
                     prof.stop()
                     prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                    if config == "bare-prof-free":  # its results freed now, not by the cyclic GC
+                        prof.profiler = None
                     prof = None
+                    if config == "bare-prof-trim":
+                        libc.malloc_trim(0)
             loss = train_once(model, opt, loss_fn, batches[i % len(batches)])
             if rec is not None:
                 rec.step(loss=loss)
@@ -160,7 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=100, help="steps before them (default 100)")
     ap.add_argument("--configs", default="bare,recorder", help="comma-separated: bare,recorder (also: recorder-noprof, without "
                     "profiler windows; recorder-lite, windows without shapes and memory; bare-prof, bare "
-                    "with one profiler window at steps 10-11)")
+                    "with one profiler window at steps 10-11; bare-prof-free, -warm, -trim; recorder-trim, "
+                    "-free: see the docstring)")
     ap.add_argument("--malloc", choices=("glibc", "fixed"), default="glibc",
                     help="glibc's thresholds left to glibc (default) or overhead.py's FIXED_MALLOC")
     ap.add_argument("--jobs", type=int, default=1,
