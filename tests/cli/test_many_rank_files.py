@@ -32,7 +32,9 @@ def test_opening_the_rank_files_shows_progress(many, tmp_path, command, monkeypa
     assert "Traceback" not in r.stderr
     if command == "analyze":
         assert f"{N_RANKS} ranks" in r.stdout.splitlines()[0]
-        assert json.loads((tmp_path / "f.json").read_text())["findings"] == []
+        found = json.loads((tmp_path / "f.json").read_text())["findings"]
+        # (the sample's older recorder left three columns out: their detectors say "not checked")
+        assert all(f["severity"] == "info" and "not checked" in f["summary"] for f in found), found
         assert f"ranks analyzed: {N_RANKS} of {N_RANKS}" in r.stderr
     else:
         assert [f"rank {k} of {N_RANKS}" in r.stdout for k in range(N_RANKS)] == [True] * N_RANKS
