@@ -76,15 +76,13 @@ def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Findin
         [(a.trace, a) for a in attempts]
     findings = []
     for rt, attempt in units:
-        with rt.held():  # one open of the file for the detectors' ~140 reads, not one each
-            for det in DETECTORS:
-                lacking = [name for name in det.REQUIRES if not rt.holds(name)]
-                found = _not_checked(det.KIND, lacking) if lacking else \
-                    _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
-                findings.extend(_of_attempt(replace(with_code(f, rt), rank=rank), attempt) for f in found)
+        for det in DETECTORS:
+            lacking = [name for name in det.REQUIRES if not rt.holds(name)]
+            found = _not_checked(det.KIND, lacking) if lacking else \
+                _guarded(det.KIND, f"rank {rank}", lambda: det.detect(rt, getattr(cfg, det.KIND)))
+            findings.extend(_of_attempt(replace(with_code(f, rt), rank=rank), attempt) for f in found)
     try:
-        with trace.ranks[rank].held():
-            digest = digest_of(trace.ranks[rank])
+        digest = digest_of(trace.ranks[rank])
     except TraceError:
         raise
     except Exception as e:
