@@ -1,4 +1,7 @@
-"""Shared test helpers: run the real CLI as a subprocess."""
+"""Shared test helpers: run the CLI as a subprocess (run_cli: the real process, its exit status,
+an interpreter where torch cannot be imported) or in this process (invoke_cli: ~1.3 CPU-s less a
+call, the interpreter's start and the analyzer's imports, for tests about what a command says
+or writes)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,47 @@ def run_cli(*args, block_torch: bool = False, timeout: float = 120) -> subproces
     env = {**os.environ, "MPLBACKEND": "Agg"}
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+def _needs_torch(module_name: str) -> bool:
+    return any(part.startswith("torch") and part != "torchautopsy" for part in module_name.split("."))
+
+
+def invoke_cli(*args, block_torch: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchautopsy ARGS...` in this process, through the same main() (its exit codes, its one
+    line on stderr), with stdout and stderr of its own (click's CliRunner isolation: not a
+    terminal, as in run_cli) and ``env`` set for the call. Returns what run_cli returns.
+
+    With block_torch, the torch modules this process loaded are hidden for the call (those
+    named torch*, and at any depth, as safetensors.torch; not torchautopsy): an ``import torch``
+    or ``from torch.x import y`` that the command reaches raises ImportError, as in run_cli's
+    interpreter without torch. (Modules that import torch under another name, as transformers,
+    stay importable here.) The CLI's own imports without torch are proved by the run_cli tests
+    that keep block_torch (tests/reports/test_report_cli.py, tests/analyzer/test_tracebuilder_format.py)."""
+    from click.testing import CliRunner
+
+    from torchautopsy.analyzer.cli import main
+
+    argv = [str(a) for a in args]
+    hidden = {name: mod for name, mod in sys.modules.items() if _needs_torch(name)} if block_torch else {}
+    with CliRunner().isolation(env={"MPLBACKEND": "Agg", **(env or {})}) as (out, err, _):
+        sys.modules.update(dict.fromkeys(hidden, None))
+        if block_torch:
+            sys.modules["torch"] = None
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            for name in hidden:
+                sys.modules[name] = hidden[name]
+            if block_torch and "torch" not in hidden:
+                del sys.modules["torch"]
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess(["torchautopsy", *argv], code, stdout, stderr)
 
 
 def rank_copies(run, n_ranks: int, sample: str = "healthy_mlp"):

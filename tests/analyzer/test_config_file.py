@@ -1,16 +1,15 @@
-"""Thresholds from a TOML file: load_config, and `torchautopsy analyze --config` through the real CLI."""
+"""Thresholds from a TOML file: load_config, and `torchautopsy analyze --config` through the CLI
+(in this process: tests.helpers.invoke_cli)."""
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.analyzer.training_runs import mlp, teacher_data, train
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from torchautopsy.analyzer.config import AnalysisConfig
 from torchautopsy.analyzer.config_file import load_config
 from torchautopsy.analyzer.errors import ConfigError, TraceError
@@ -79,13 +78,13 @@ def kinds(json_path):
 
 def test_cli_config_changes_a_threshold_and_so_the_outcome(run_dir, tmp_path):
     out = tmp_path / "default.json"
-    r = run_cli("analyze", run_dir, "--json", out, block_torch=True)
+    r = invoke_cli("analyze", run_dir, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "update_ratio" not in kinds(out)
 
     cfg = write(tmp_path, "[update_ratio]\ntoo_large = 1e-4  # healthy ratios are ~1e-3\n")
     out = tmp_path / "strict.json"
-    r = run_cli("analyze", run_dir, "--config", cfg, "--json", out, block_torch=True)
+    r = invoke_cli("analyze", run_dir, "--config", cfg, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "update_ratio" in kinds(out) and "update_ratio" in r.stdout
 
@@ -97,7 +96,7 @@ def test_cli_config_changes_a_threshold_and_so_the_outcome(run_dir, tmp_path):
 ])
 def test_cli_bad_config_is_one_line_and_exit_2(run_dir, tmp_path, text, needle):
     cfg = write(tmp_path, text)
-    r = run_cli("analyze", run_dir, "--config", cfg)
+    r = invoke_cli("analyze", run_dir, "--config", cfg)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
@@ -105,13 +104,13 @@ def test_cli_bad_config_is_one_line_and_exit_2(run_dir, tmp_path, text, needle):
     assert str(cfg) in lines[0] and needle in lines[0], lines[0]
 
 
-def test_cli_without_tomllib_says_python_3_11(run_dir, tmp_path):
-    # As on Python 3.10 without tomli: both imports fail.
+def test_cli_without_tomllib_says_python_3_11(run_dir, tmp_path, monkeypatch):
+    # As on Python 3.10 without tomli: both imports fail (config_file imports them when a
+    # config is read, so hiding them for the call is enough).
     cfg = write(tmp_path, "[update_ratio]\ntoo_large = 0.2\n")
-    code = ("import sys\nsys.modules['tomllib'] = None\nsys.modules['tomli'] = None\n"
-            "from torchautopsy.analyzer.cli import main\nmain(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-c", code, "analyze", str(run_dir), "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    r = invoke_cli("analyze", run_dir, "--config", cfg)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "needs Python 3.11" in lines[0], r.stderr

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import torchautopsy
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.training import squared_error, train
 
 
@@ -29,7 +29,7 @@ def _train(run_dir, lr_at, steps: int = 60) -> None:
 
 def _findings(run_dir, tmp_path) -> list[dict]:
     out = tmp_path / "f.json"
-    r = run_cli("analyze", str(run_dir), "--json", str(out))
+    r = invoke_cli("analyze", str(run_dir), "--json", str(out))
     assert r.returncode in (0, 1), r.stderr
     return json.loads(out.read_text())["findings"]
 

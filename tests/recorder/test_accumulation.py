@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchautopsy
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 MICRO = 4
 
@@ -70,7 +70,7 @@ def test_one_row_per_optimizer_step_over_every_micro_batch(tmp_path):
 
 def _nan_finding(tmp_path, run_dir) -> dict:
     out = tmp_path / "f.json"
-    run_cli("analyze", str(run_dir), "--json", str(out))
+    invoke_cli("analyze", str(run_dir), "--json", str(out))
     return next(f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite")
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchautopsy import Recorder
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 
 class LogPower(nn.Module):
@@ -76,7 +76,7 @@ def _batch(g, shape, step: int, bad: int):
 
 def _findings(run: Path) -> list[dict]:
     out = run.parent / "f.json"
-    assert run_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
+    assert invoke_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
     return [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
 
 
@@ -103,6 +103,7 @@ def test_the_innermost_module_that_made_the_minus_inf_is_named(case, bad):
         assert "the layers after it kept the forward and the loss finite" in f["summary"]
 
 
+@pytest.mark.slow  # Lightning
 def test_under_lightning_the_replayed_step_names_the_submodule():
     pl = pytest.importorskip("lightning.pytorch")
     from torch.utils.data import DataLoader, TensorDataset

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchautopsy import Recorder
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 BAD = 7  # not a watched step
 
@@ -40,7 +40,7 @@ def _run(hook) -> Path:
 
 def _nonfinite(run: Path) -> dict:
     out = run.parent / "f.json"
-    assert run_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
+    assert invoke_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
     (f,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
     return f
 

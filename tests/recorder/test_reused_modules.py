@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchautopsy import Recorder, load
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 
 class BasicBlock(nn.Module):
@@ -65,7 +65,7 @@ def test_the_dead_first_call_of_a_relu_called_twice_is_found_and_named():
     relu = sites[sites["module"] == "layer.0.relu"]
     assert sorted(relu["call"]) == [0, 1]  # a site per call
     out = run.parent / "f.json"
-    assert run_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
+    assert invoke_cli("analyze", run, "--json", out, block_torch=True).returncode == 0
     dead = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "dead_relu"]
     assert [(f["where"], f["evidence"]["call"], f["evidence"]["calls"]) for f in dead] == [(["layer.0.relu"], 0, 2)]
     (f,) = dead

@@ -3,7 +3,7 @@ problem found" about steps it never saw (issue 36), and its end is not taken for
 
 import numpy as np
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.tracebuilder import TraceBuilder, findings
 
 KIND = "recording_stopped"
@@ -27,7 +27,7 @@ def test_a_recording_stopped_before_its_first_step_checked_nothing_and_says_so(t
     b.write(tmp_path)
     kinds = [(f.kind, f.severity, f.step) for f in findings(tmp_path) if f.severity != "info"]
     assert kinds == [(KIND, "warning", 0)]
-    r = run_cli("analyze", tmp_path)
+    r = invoke_cli("analyze", tmp_path)
     assert r.returncode == 0 and "No problem found" not in r.stdout, r.stdout
     assert "Recording stopped at step 0" in r.stdout and "nothing about the training could be checked" in r.stdout
 
