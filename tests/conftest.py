@@ -3,7 +3,10 @@
 cores. Slow are the files whose tests together take 7 s or more (measured with --durations=0 on
 2026-11-28, 11 minutes in all): they start subprocesses (the CLI as a user runs it, torchrun,
 killed and restarted jobs, a full disk), train real frameworks' models (Lightning, transformers),
-record the samples again, open a browser or fuzz traces. A new test file that is slow goes here."""
+record the samples again, open a browser or fuzz traces. A new test file that is slow goes here;
+a slow test in a quick file is marked ``@pytest.mark.slow`` with its reason (a subprocess,
+transformers, Lightning). The CLI's output is tested in process (tests.helpers.invoke_cli)
+unless the real process is the point."""
 
 from __future__ import annotations
 
@@ -67,7 +70,28 @@ SLOW_FILES = frozenset({
     "tests/reports/test_report_pdf.py",
     "tests/reports/test_report_ranks.py",
     "tests/reports/test_report_samples.py",
+    # 2026-11-28, the quick lane under 2 minutes: a subprocess each (a full disk, the CLI without
+    # torch, workers), the CLI writing every report, real frameworks (Accelerate, transformers).
+    "tests/recorder/test_recorder_disk_full.py",
+    "tests/reports/test_hostile_names.py",
+    "tests/reports/test_report_cli.py",
+    "tests/analyzer/test_parallel.py",
+    "tests/integrations/test_accelerate.py",
+    "tests/recorder/test_attention_eager_hf.py",
 })
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the quick lane (exactly ``-m "not slow"``) the slow files are not even imported: their
+    imports (transformers, Lightning, Accelerate) and assertion rewriting cost each worker ~10 s."""
+    if config.getoption("markexpr", "") == "not slow":
+        try:
+            rel = collection_path.relative_to(config.rootpath).as_posix()
+        except ValueError:
+            return None
+        if rel in SLOW_FILES:
+            return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import run_cli
 
 FEATURES = '''\
@@ -62,6 +64,7 @@ def _line_of(text: str, start: str) -> int:
     return next(i + 1 for i, line in enumerate(text.splitlines()) if line.lstrip().startswith(start))
 
 
+@pytest.mark.slow  # a training script and the CLI without torch, subprocesses
 def test_a_nan_born_in_a_modules_forward_names_that_forward_and_its_class(tmp_path: Path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "__init__.py").write_text("")
@@ -82,6 +85,7 @@ def test_a_nan_born_in_a_modules_forward_names_that_forward_and_its_class(tmp_pa
         f"LogFeatures.forward, models/features.py:{fwd} (class at models/features.py:{cls})", bad["evidence"]
 
 
+@pytest.mark.slow  # transformers
 def test_a_torch_module_is_placed_in_the_transformers_code_that_calls_it(tmp_path: Path):
     """nn.Linear's own file is not where anyone looks: the forward of the BERT module that calls it is."""
     import inspect

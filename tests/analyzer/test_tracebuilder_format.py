@@ -128,6 +128,7 @@ assert sys.modules["torch"] is None and not [m for m in sys.modules if m.startsw
 """
 
 
+@pytest.mark.slow  # a subprocess without torch
 def test_builder_and_cli_without_torch(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "findings.json"
     built = subprocess.run([sys.executable, "-c", BUILD_WITHOUT_TORCH, str(REPO), str(run_dir)],

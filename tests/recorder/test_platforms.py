@@ -18,6 +18,7 @@ import tempfile
 import textwrap
 
 import numpy as np
+import pytest
 
 from torchautopsy.recorder import memory
 
@@ -56,6 +57,7 @@ WITHOUT_POSIX_MODULES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess
 def test_recorder_imports_and_records_without_posix_only_modules():
     root = tempfile.mkdtemp(prefix="prof_")
     try:

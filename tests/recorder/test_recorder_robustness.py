@@ -195,6 +195,7 @@ def test_context_manager_normal_exit(tmp_path):
         assert len(f["steps/step"]) == 1
 
 
+@pytest.mark.slow  # subprocesses
 def test_import_hygiene():
     code = textwrap.dedent("""
         import sys

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ def test_a_loss_that_never_moves(tmp_path):
     assert "never_moved" not in found(tmp_path / "sgd", mlp(), steps=120)  # (lr 0.01: it learns)
 
 
+@pytest.mark.slow  # transformers
 def test_bert_computing_its_own_loss_starts_near_chance(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 

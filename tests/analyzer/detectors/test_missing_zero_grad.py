@@ -5,6 +5,7 @@ healthy: gradient accumulation that clears after each optimizer step, zero_grad(
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +52,7 @@ def test_an_sgd_loop_without_zero_grad_is_found_at_its_second_step(tmp_path):
     assert f.evidence["kept_share"] == 1.0 and f.evidence["growth"] >= 3 and "zero_grad()" in f.advice
 
 
+@pytest.mark.slow  # transformers
 def test_bert_fine_tuned_with_adamw_and_no_zero_grad_is_found(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -5,6 +5,7 @@ and so does a model without Dropout or BatchNorm, whose mode changes nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,6 +79,7 @@ def test_a_model_without_dropout_or_batchnorm_is_not_judged(tmp_path):
     assert (load(tmp_path / "run").ranks[0].columns["train_mode"].to_numpy()[EVAL_AFTER:] == 0).all()
 
 
+@pytest.mark.slow  # transformers
 def test_bert_left_in_eval_mode_after_its_validation(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 
