@@ -1,10 +1,12 @@
-"""Each shipped sample trace gives its expected finding through the real CLI; healthy gives none."""
+"""Each shipped sample trace gives its expected finding through the CLI (in this process, torch
+hidden: tests.helpers.invoke_cli); healthy gives none. The exit codes and `info` without torch
+run the real process."""
 
 import json
 
 import pytest
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli, run_cli
 
 EXPECTED = json.loads((SAMPLES / "expected.json").read_text())
 
@@ -12,7 +14,7 @@ EXPECTED = json.loads((SAMPLES / "expected.json").read_text())
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_sample_trace(case, tmp_path):
     out = tmp_path / "findings.json"
-    r = run_cli("analyze", SAMPLES / case, "--json", out, block_torch=True)
+    r = invoke_cli("analyze", SAMPLES / case, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     findings = json.loads(out.read_text())["findings"]
     for f in findings:
@@ -52,7 +54,7 @@ def test_fail_on_sets_exit_code(tmp_path):
 
 def test_nonfinite_names_the_birthplace_not_the_carriers(tmp_path):
     out = tmp_path / "f.json"
-    run_cli("analyze", SAMPLES / "nan_birth", "--json", out)
+    invoke_cli("analyze", SAMPLES / "nan_birth", "--json", out)
     (f,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
     assert f["where"] == ["features.log"]
     assert f["evidence"]["stage"] == "forward"

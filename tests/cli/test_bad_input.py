@@ -1,11 +1,15 @@
-"""Every kind of unusable input: one line on stderr saying what is wrong, exit 2, no traceback."""
+"""Every kind of unusable input: one line on stderr saying what is wrong, exit 2, no traceback.
+
+A damaged or blocking file is given to the real process (run_cli: h5py's C code may crash or
+hang on it, and a timeout bounds it); wrong usage and paths that are not traces are refused
+before any file is read, in this process (invoke_cli)."""
 
 import shutil
 
 import h5py
 import pytest
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli, run_cli
 
 
 def assert_one_line_error(r, *needles):
@@ -20,12 +24,12 @@ def assert_one_line_error(r, *needles):
 
 @pytest.mark.parametrize("command", ["analyze", "info"])
 def test_missing_path(tmp_path, command):
-    r = run_cli(command, tmp_path / "nope")
+    r = invoke_cli(command, tmp_path / "nope")
     assert_one_line_error(r, "does not exist", "Recorder(model, run_dir)")
 
 
 def test_empty_directory(tmp_path):
-    assert_one_line_error(run_cli("analyze", tmp_path), "holds no rank*.h5")
+    assert_one_line_error(invoke_cli("analyze", tmp_path), "holds no rank*.h5")
 
 
 def test_not_hdf5(tmp_path):
@@ -63,11 +67,11 @@ def test_newer_schema(tmp_path):
     (["frobnicate"], "frobnicate"),
 ])
 def test_wrong_usage(args, needle):
-    assert_one_line_error(run_cli(*args), needle)
+    assert_one_line_error(invoke_cli(*args), needle)
 
 
 def test_unwritable_output(tmp_path):
-    r = run_cli("analyze", SAMPLES / "healthy_mlp", "--json", tmp_path / "no" / "such" / "dir.json")
+    r = invoke_cli("analyze", SAMPLES / "healthy_mlp", "--json", tmp_path / "no" / "such" / "dir.json")
     assert_one_line_error(r, "cannot write")
 
 

@@ -1,4 +1,4 @@
-"""A job killed by SIGKILL, and a two-rank torch.distributed job, analyzed through the real CLI."""
+"""A job killed by SIGKILL, and a two-rank torch.distributed job, analyzed through the CLI (in this process)."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, invoke_cli
 
 TRAIN_NAN_THEN_HANG = textwrap.dedent("""
     import sys, torch
@@ -52,12 +52,12 @@ def test_sigkilled_job_is_analyzed(tmp_path):
     assert p.returncode == -signal.SIGKILL
 
     out = tmp_path / "f.json"
-    r = run_cli("analyze", run_dir, "--json", out)
+    r = invoke_cli("analyze", run_dir, "--json", out)
     assert r.returncode == 0, r.stderr
     assert "did not close its trace" in r.stdout
     (nf,) = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
     assert nf["step"] == 30 and nf["where"] == ["2"], nf
-    info = run_cli("info", run_dir)
+    info = invoke_cli("info", run_dir)
     assert info.returncode == 0 and "not closed" in info.stdout
 
 
@@ -111,7 +111,7 @@ def test_two_ranks_name_the_rank_that_went_wrong_first(tmp_path):
     assert sorted(os.listdir(run_dir)) == ["rank0.h5", "rank1.h5"]
 
     out = tmp_path / "f.json"
-    res = run_cli("analyze", run_dir, "--json", out)
+    res = invoke_cli("analyze", run_dir, "--json", out)
     assert res.returncode == 0, res.stderr
     nf = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "nonfinite"]
     by_rank = {f["rank"]: f for f in nf}
@@ -122,5 +122,5 @@ def test_two_ranks_name_the_rank_that_went_wrong_first(tmp_path):
     assert by_rank[0]["step"] == 20 and by_rank[0]["evidence"]["stage"] in ("backward", "optimizer")
     assert nf[0]["rank"] == 1  # listed first: it went wrong first
     assert "rank 1 went wrong first" in res.stdout
-    info = run_cli("info", run_dir)
+    info = invoke_cli("info", run_dir)
     assert "rank 1 of 2" in info.stdout

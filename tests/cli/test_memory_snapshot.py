@@ -20,7 +20,7 @@ from torch.cuda import _memory_viz
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.memory_snapshot import history_peak, live_sites, oom_request, snapshot_dict
 from tests.cli.test_bad_input import assert_one_line_error
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.training import train
 
 MiB = 2**20
@@ -150,7 +150,7 @@ def test_export_gives_back_the_snapshot_and_torch_memory_viz_reads_it(tmp_path, 
     snap = make()
     record_with(tmp_path / "run", [(snap, "schedule"), (snap, "oom")])
     out = tmp_path / "snap.pickle"
-    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out, "--which", "0", block_torch=True)
+    r = invoke_cli("export", tmp_path / "run", "--memory-snapshot", out, "--which", "0", block_torch=True)
     assert r.returncode == 0, r.stderr  # (the analyzer needs no torch to write it)
     assert "CUDA memory snapshot 0 of rank 0 (schedule, step 0" in r.stdout
     with open(out, "rb") as f:
@@ -163,9 +163,9 @@ def test_export_gives_back_the_snapshot_and_torch_memory_viz_reads_it(tmp_path, 
     if make is documented_snapshot:
         text = _memory_viz.trace(back)  # replays the history against the segments
         assert "cudaMalloc" in text and "raise OutOfMemoryError # 200.0MiB requested, 3.0MiB free" in text
-    assert "CUDA memory  2 allocator snapshot(s) at steps 0, 1" in run_cli("info", tmp_path / "run").stdout
+    assert "CUDA memory  2 allocator snapshot(s) at steps 0, 1" in invoke_cli("info", tmp_path / "run").stdout
     # the default export is the snapshot taken when memory ran out
-    r = run_cli("export", tmp_path / "run", "--memory-snapshot", out, "--force")
+    r = invoke_cli("export", tmp_path / "run", "--memory-snapshot", out, "--force")
     assert r.returncode == 0 and "(oom, step 1" in r.stdout, r.stdout + r.stderr
 
 
@@ -186,12 +186,12 @@ def test_what_held_the_memory(tmp_path):
 
 def test_export_without_snapshots_or_with_a_wrong_one_is_a_one_line_error(tmp_path):
     record_with(tmp_path / "cpu", [])
-    assert_one_line_error(run_cli("export", tmp_path / "cpu", "--memory-snapshot", tmp_path / "s.pickle"),
+    assert_one_line_error(invoke_cli("export", tmp_path / "cpu", "--memory-snapshot", tmp_path / "s.pickle"),
                           "holds no CUDA memory snapshots")
     record_with(tmp_path / "run", [(documented_snapshot(), "schedule")])
     for which, needle in (("7", "no memory snapshot 7"), ("oom", "no snapshot taken when memory ran out"),
                           ("bogus", "give a number, last, peak or oom")):
-        r = run_cli("export", tmp_path / "run", "--memory-snapshot", tmp_path / "s.pickle", "--which", which)
+        r = invoke_cli("export", tmp_path / "run", "--memory-snapshot", tmp_path / "s.pickle", "--which", which)
         assert_one_line_error(r, needle)
     assert not (tmp_path / "s.pickle").exists()
 
@@ -199,7 +199,7 @@ def test_export_without_snapshots_or_with_a_wrong_one_is_a_one_line_error(tmp_pa
 def test_a_cuda_oom_names_the_request_the_holders_and_the_site_that_asked(tmp_path):
     record_with(tmp_path / "run", [(documented_snapshot(), "schedule"), (documented_snapshot(), "oom")], oom_at=1)
     out = tmp_path / "f.json"
-    r = run_cli("analyze", tmp_path / "run", "--json", out, "--md", tmp_path / "r.md", "--html", tmp_path / "r.html")
+    r = invoke_cli("analyze", tmp_path / "run", "--json", out, "--md", tmp_path / "r.md", "--html", tmp_path / "r.html")
     assert r.returncode == 0, r.stderr
     import json
 
@@ -265,7 +265,7 @@ def test_a_cpu_out_of_memory_error_leaving_the_recorder_is_an_error_finding(tmp_
         train(model, tmp_path / "run", 30, lambda step: torch.randn(8, 16), optimizer=opt, profile_steps=0,
               before_step=lambda step: kept.append(torch.zeros(512, 1024)))
     out = tmp_path / "f.json"
-    r = run_cli("analyze", tmp_path / "run", "--json", out, "--fail-on", "error")
+    r = invoke_cli("analyze", tmp_path / "run", "--json", out, "--fail-on", "error")
     assert r.returncode == 1, r.stderr
     import json
 
@@ -286,7 +286,7 @@ def test_names_from_a_snapshot_are_escaped_in_reports(tmp_path):
     snap["segments"][0]["blocks"][0]["frames"] = evil
     snap["device_traces"][0][-1]["frames"] = evil
     record_with(tmp_path / "run", [(snap, "oom")], oom_at=0)
-    r = run_cli("analyze", tmp_path / "run", "--html", tmp_path / "r.html", "--pdf", tmp_path / "r.pdf",
+    r = invoke_cli("analyze", tmp_path / "run", "--html", tmp_path / "r.html", "--pdf", tmp_path / "r.pdf",
                 "--md", tmp_path / "r.md")
     assert r.returncode == 0, r.stderr
     html = (tmp_path / "r.html").read_text()
@@ -355,5 +355,5 @@ def test_a_hundred_thousand_blocks_on_one_deep_stack_are_grouped_in_bounded_time
     (site,) = live_sites(load(tmp_path).ranks[0], 0)
     assert time.monotonic() - t0 < 20
     assert site["blocks"] == n and site["bytes"] == 512 * n and len(site["stack"]) == 6
-    r = run_cli("analyze", tmp_path, "--md", tmp_path / "r.md", timeout=60)
+    r = invoke_cli("analyze", tmp_path, "--md", tmp_path / "r.md")
     assert r.returncode == 0, r.stderr

@@ -4,8 +4,8 @@ changes nothing); a trace never is (the run's own rank files, any HDF5 file, a r
 in the run directory), and no output is written through a symbolic link. A refusal is one line,
 exit code 2, and leaves every file as it was.
 
-Real CLI runs on copies of a real trace (sample_traces/healthy_mlp: a profiler window, parameter
-snapshots, samples).
+CLI runs (in this process: tests.helpers.invoke_cli) on copies of a real trace
+(sample_traces/healthy_mlp: a profiler window, parameter snapshots, samples).
 """
 
 import os
@@ -14,7 +14,7 @@ import shutil
 from tests.cli.test_bad_input import assert_one_line_error
 # (run: the fixture, a copy of a real trace; digest and leftovers: the files' checks)
 from tests.cli.test_output_safety import digest, leftovers, run  # noqa: F401
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli
 
 
 def _commands(run, out):
@@ -31,14 +31,14 @@ def test_every_command_replaces_an_existing_output_file(run, tmp_path):
         out = tmp_path / "out.txt"
         out.write_text("yesterday's output")
         os.chmod(out, 0o640)
-        r = run_cli(*args)
+        r = invoke_cli(*args)
         assert r.returncode == 0, (name, r.stderr)
         assert "yesterday" not in out.read_text(), name
         assert ("traceEvents" if name.startswith("export") else "# torchautopsy report") in out.read_text(), name
         assert f"wrote {out}" in r.stdout, name
         assert (os.stat(out).st_mode & 0o777) == 0o640, name  # the replaced file keeps its permissions
         assert not leftovers(tmp_path), name
-    help_text = run_cli("export", "--help").stdout
+    help_text = invoke_cli("export", "--help").stdout
     assert "--force" in help_text and "Does nothing" in help_text
 
 
@@ -63,7 +63,7 @@ def test_no_command_writes_over_a_trace(run, tmp_path):
     ]
     for out, commands, needle in cases:
         for name in commands:
-            r = run_cli(*_commands(run, out)[name])
+            r = invoke_cli(*_commands(run, out)[name])
             assert_one_line_error(r, needle, "give another path")
     assert {p: digest(p) for p in before} == before
     assert sorted(os.listdir(run)) == ["rank0.h5", "rank1.h5"]  # no new "rank" in the run
@@ -79,7 +79,7 @@ def test_no_command_writes_through_a_symbolic_link(run, tmp_path):
     os.symlink(tmp_path / "created-by-link.txt", tmp_path / "dangling.txt")
     for link, commands in (("link.txt", ("analyze", "export", "export --force")), ("dangling.txt", ("analyze", "export"))):
         for name in commands:
-            r = run_cli(*_commands(run, tmp_path / link)[name])
+            r = invoke_cli(*_commands(run, tmp_path / link)[name])
             assert_one_line_error(r, f"{tmp_path / link} is a symbolic link", "give another path, or remove the link")
             assert os.path.islink(tmp_path / link), name
     assert target.read_text() == "secret"
@@ -87,6 +87,6 @@ def test_no_command_writes_through_a_symbolic_link(run, tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("old")
     for name, args in _commands(run, plain).items():
-        assert run_cli(*args).returncode == 0, name
+        assert invoke_cli(*args).returncode == 0, name
         assert plain.read_text() != "old"
         plain.write_text("old")

@@ -1,8 +1,10 @@
 """Every file the CLI writes goes only where the user asked (issue 20): never over a trace, never
 through a symbolic link, never half-written (the rule for existing files: test_output_rule.py); and what ``export`` builds from a hostile trace is bounded and plain.
 
-Real CLI runs on copies of real traces (sample_traces/, and runs recorded here with CUDA memory
-snapshots fed through the recorder's own conversion, as tests/cli/test_memory_snapshot.py does).
+CLI runs on copies of real traces (sample_traces/, and runs recorded here with CUDA memory
+snapshots fed through the recorder's own conversion, as tests/cli/test_memory_snapshot.py does):
+in this process (tests.helpers.invoke_cli), except where the real process is the point (a limit
+on its memory and its time: run_bounded).
 """
 
 import gzip
@@ -22,7 +24,7 @@ import pytest
 
 from tests.cli.test_bad_input import assert_one_line_error
 from tests.cli.test_memory_snapshot import documented_snapshot, record_with
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli
 
 
 class RefuseGlobals(pickle.Unpickler):
@@ -86,7 +88,7 @@ def run_bounded(*args, mem_bytes=2**30, timeout=60):
 
 def test_two_outputs_at_one_path_are_refused(run, tmp_path):
     """The second would silently replace the first."""
-    r = run_cli("export", run, "--params", "last", tmp_path / "a.st", "--tensors", "last", tmp_path / "a.st")
+    r = invoke_cli("export", run, "--params", "last", tmp_path / "a.st", "--tensors", "last", tmp_path / "a.st")
     assert_one_line_error(r, "a.st is named twice")
     assert not (tmp_path / "a.st").exists() and not leftovers(tmp_path)
 
@@ -102,7 +104,7 @@ def test_two_outputs_at_one_path_are_refused(run, tmp_path):
 def test_never_writes_over_the_trace_being_read(run, tmp_path, args):
     os.link(run / "rank0.h5", tmp_path / "hardlink.h5")
     before = digest(run / "rank0.h5")
-    r = run_cli(*[a.format(run=run, tmp=tmp_path) for a in args])
+    r = invoke_cli(*[a.format(run=run, tmp=tmp_path) for a in args])
     assert_one_line_error(r, "is the trace being read", "give another path")
     assert digest(run / "rank0.h5") == before and not leftovers(run)
 
@@ -112,7 +114,7 @@ def test_never_writes_over_another_hdf5_file_even_with_force(run, tmp_path):
     shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", other)
     before = digest(other)
     for args in (["export", run, "--profile", other, "--force"], ["analyze", run, "--html", other]):
-        assert_one_line_error(run_cli(*args), "is an HDF5 file", "never writes over one")
+        assert_one_line_error(invoke_cli(*args), "is an HDF5 file", "never writes over one")
     assert digest(other) == before
 
 
@@ -125,7 +127,7 @@ def test_never_writes_through_a_symbolic_link(run, tmp_path, command):
     for name in ("link.json", "dangling.json"):
         args = (["export", run, "--profile", tmp_path / name, "--force"] if command == "export"
                 else ["analyze", run, "--json", tmp_path / name])
-        assert_one_line_error(run_cli(*args), "is a symbolic link")
+        assert_one_line_error(invoke_cli(*args), "is a symbolic link")
         assert os.path.islink(tmp_path / name)
     assert target.read_text() == "secret"
     assert not (tmp_path / "created-by-link.json").exists()
@@ -135,7 +137,7 @@ def test_analyze_still_overwrites_its_reports(run, tmp_path):
     out = tmp_path / "f.json"
     out.write_text("old findings")
     os.chmod(out, 0o640)
-    r = run_cli("analyze", run, "--json", out, "--md", tmp_path / "r.md")
+    r = invoke_cli("analyze", run, "--json", out, "--md", tmp_path / "r.md")
     assert r.returncode == 0, r.stderr
     assert '"findings"' in out.read_text() and (tmp_path / "r.md").exists()
     assert (os.stat(out).st_mode & 0o777) == 0o640  # the replaced file keeps its permissions
@@ -233,7 +235,7 @@ def test_a_5000_digit_integer_in_the_black_box_detail_is_skipped(tmp_path):
 
 def test_the_snapshot_pickle_needs_no_global_and_equals_the_snapshot(snap_copy, tmp_path):
     out = tmp_path / "s.pickle"
-    r = run_cli("export", snap_copy, "--memory-snapshot", out, "--which", "0", block_torch=True)
+    r = invoke_cli("export", snap_copy, "--memory-snapshot", out, "--which", "0", block_torch=True)
     assert r.returncode == 0, r.stderr
     assert safe_load(out) == documented_snapshot()
     # the refusing unpickler does refuse: a pickle with a global fails to load

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from torchautopsy import Recorder, load
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.training import train as train_on
 
 
@@ -50,7 +50,7 @@ def train(run_dir, sleep_s, steps=40, **options):
 
 def findings(run_dir, tmp_path):
     out = tmp_path / "f.json"
-    r = run_cli("analyze", run_dir, "--json", out)
+    r = invoke_cli("analyze", run_dir, "--json", out)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["findings"], r.stdout
 
@@ -64,7 +64,7 @@ def test_a_slow_data_loader_is_flagged(tmp_path):
     assert "num_workers" in f["advice"] and "dataloader_bottleneck" in out
     # The report's step-time figure tells the DataLoader's wait from the loop's other work.
     html = tmp_path / "r.html"
-    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    assert invoke_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
     assert "split into waiting for the DataLoader" in html.read_text()
 
 
@@ -85,13 +85,13 @@ def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(tmp
     ops = rt.profile_ops(0)
     assert ops["calls"].sum() > 0 and any(n in set(ops["name"]) for n in ("aten::addmm", "aten::linear"))
     out = tmp_path / "trace.json"
-    r = run_cli("export", tmp_path / "run", "--profile", out)
+    r = invoke_cli("export", tmp_path / "run", "--profile", out)
     assert r.returncode == 0, r.stderr
     events = json.loads(out.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::addmm" for e in events)
-    assert "profiler     1 window(s) at steps 10-11" in run_cli("info", tmp_path / "run").stdout
+    assert "profiler     1 window(s) at steps 10-11" in invoke_cli("info", tmp_path / "run").stdout
     html = tmp_path / "r.html"
-    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    assert invoke_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
     text = html.read_text()
     assert "Slowest operators" in text and "aten::addmm" in text and "torch.profiler windows" in text
     found, _ = findings(tmp_path / "run", tmp_path)
@@ -103,7 +103,7 @@ def test_export_errors_are_one_line(tmp_path):
     for args, needle in ((["--profile", tmp_path / "t.json", "--window", "5"], "no profiler window 5"),
                          (["--profile", tmp_path / "t.json", "--rank", "3"], "no rank 3"),
                          ([], "nothing to export")):
-        r = run_cli("export", tmp_path / "run", *args)
+        r = invoke_cli("export", tmp_path / "run", *args)
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -162,7 +162,7 @@ def test_a_memory_peak_gets_a_census_and_the_report_shows_what_held_it(tmp_path)
     at_peak = groups[(groups["shape"] == "[8192, 4096]")]
     assert 30 <= int(at_peak["step"].min()) <= 34  # a census was taken while the buffer lived
     html = tmp_path / "r.html"
-    assert run_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
+    assert invoke_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
     text = html.read_text()
     assert "Memory at its peak" in text and "[8192, 4096]" in text
 
@@ -271,7 +271,7 @@ def test_the_recorders_own_operators_are_one_labelled_row_of_a_profiler_window(t
         assert job in ops.index, job
     assert ops.loc["aten::addmm", "calls"] == 2 * 2  # 2 Linear layers x 2 steps: only the job's
     html = tmp_path / "r.html"
-    r = run_cli("analyze", tmp_path / "run", "--html", html)
+    r = invoke_cli("analyze", tmp_path / "run", "--html", html)
     assert r.returncode == 0, r.stderr
     assert "the recorder&#39;s own work" in html.read_text() or "the recorder's own work" in html.read_text()
 

@@ -1,7 +1,7 @@
-"""A pre-empted job restarted into its run directory, through the real CLI: `info` shows each
-attempt and the restart, `analyze` still reports the failure of the abandoned attempt (with its
-attempt), the reports show the restart; an old one-file trace reads as before; files of another
-run in the directory are named in one line."""
+"""A pre-empted job restarted into its run directory, through the CLI (in this process:
+tests.helpers.invoke_cli): `info` shows each attempt and the restart, `analyze` still reports
+the failure of the abandoned attempt (with its attempt), the reports show the restart; an old
+one-file trace reads as before; files of another run in the directory are named in one line."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli
 from tests.recorder.recorder_testlib import killed_then_resumed
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def restarted():
 def test_info_shows_each_attempt_and_the_restart(restarted):
     _, run = restarted
     assert sorted(os.listdir(run)) == ["rank0.attempt2.h5", "rank0.h5"]
-    r = run_cli("info", run)
+    r = invoke_cli("info", run)
     assert r.returncode == 0, r.stderr
     assert "in 2 file(s)" in r.stdout
     assert "steps        60 (0-59)" in r.stdout  # one timeline
@@ -40,15 +40,15 @@ def test_info_shows_each_attempt_and_the_restart(restarted):
     assert "attempt 2   rank0.attempt2.h5: steps 30-59 (all in the timeline), closed" in r.stdout
     assert ("rank 0 restarted at step 30 (attempt 2, file rank0.attempt2.h5): attempt 1 (rank0.h5) reached "
             "step 41, not closed (killed?); its steps 30-41 were run again") in r.stdout
-    one = run_cli("info", os.path.join(run, "rank0.h5"))  # one attempt's file alone
+    one = invoke_cli("info", os.path.join(run, "rank0.h5"))  # one attempt's file alone
     assert one.returncode == 0 and "steps        42 (0-41)" in one.stdout and "attempt" not in one.stdout
 
 
 def test_analyze_reports_the_abandoned_attempts_nan_and_the_restart(restarted):
     d, run = restarted
     out = {ext: os.path.join(d, f"report.{ext}") for ext in ("json", "md", "html")}
-    r = run_cli("analyze", run, "--json", out["json"], "--md", out["md"], "--html", out["html"],
-                "--fail-on", "error", timeout=300)
+    r = invoke_cli("analyze", run, "--json", out["json"], "--md", out["md"], "--html", out["html"],
+                   "--fail-on", "error")
     assert r.returncode == 1, r.stderr  # the NaN of attempt 1 fails the check, though attempt 2 ran clean
     assert "rank 0 restarted at step 30 (attempt 2, file rank0.attempt2.h5)" in r.stdout
     findings = json.load(open(out["json"]))["findings"]
@@ -76,12 +76,12 @@ def test_an_old_single_file_trace_reads_as_before():
         for k in ("attempt", "previous_file", "first_step"):
             if k in f.attrs:
                 del f.attrs[k]
-    r = run_cli("info", sample)
+    r = invoke_cli("info", sample)
     assert r.returncode == 0 and "attempt" not in r.stdout and "restarted" not in r.stdout
     assert "in 1 file(s)" in r.stdout
     try:
         out = os.path.join(d, "f.json")
-        r = run_cli("analyze", sample, "--json", out)
+        r = invoke_cli("analyze", sample, "--json", out)
         assert r.returncode == 0 and "restarted" not in r.stdout
         findings = json.load(open(out))["findings"]
         assert findings and not any("attempt" in f["evidence"] for f in findings)
@@ -115,7 +115,7 @@ def test_files_of_another_run_are_named_in_one_line():
             subprocess.run([sys.executable, script, run, str(width)], check=True, timeout=120)
         with h5py.File(os.path.join(run, "rank0.attempt2.h5"), "r+") as f:
             f.attrs["world_size"] = 2  # as if an elastic restart had changed the world size
-        r = run_cli("info", run)
+        r = invoke_cli("info", run)
         assert r.returncode == 0, r.stderr
         notes = [line for line in r.stdout.splitlines() if line.startswith("note")]
         assert len(notes) == 2
@@ -123,7 +123,7 @@ def test_files_of_another_run_are_named_in_one_line():
         assert "rank0.attempt3.h5 records another model than rank0.attempt2.h5" in notes[1]
         assert "another run: not in the timeline" in r.stdout
         out = os.path.join(d, "f.json")
-        r = run_cli("analyze", run, "--json", out)
+        r = invoke_cli("analyze", run, "--json", out)
         assert r.returncode == 0, r.stderr
         mixed = [f for f in json.load(open(out))["findings"] if f["kind"] == "mixed_runs"]
         assert len(mixed) == 1 and mixed[0]["severity"] == "warning"

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torchautopsy import Recorder, load
 from torchautopsy.recorder.histograms import N_BINS, NAN_BIN, NEG_INF_BIN, POS_INF_BIN, ZERO_BIN, histogram
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.recorder.recorder_testlib import Net
 from tests.training import train
 
@@ -78,7 +78,7 @@ def test_exported_blackbox_reproduces_the_bad_step(nan_run, tmp_path):
     run_dir, kept = nan_run
     p_out, t_out = tmp_path / "params.safetensors", tmp_path / "inputs.safetensors"
     # The analyzer's side runs without torch, as on a laptop.
-    r = run_cli("export", run_dir, "--params", "blackbox", p_out, "--tensors", "blackbox", t_out, block_torch=True)
+    r = invoke_cli("export", run_dir, "--params", "blackbox", p_out, "--tensors", "blackbox", t_out, block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "before its bad update" in r.stdout
     params, tensors = load_file(p_out), load_file(t_out)
@@ -122,13 +122,13 @@ def test_snapshots_export_and_load(nan_run, tmp_path):
     # step 0 (the initial weights), every 4th step, and the final weights at close
     assert list(rt.snapshots["step"]) == [0, 4, 8, 12]
     out = tmp_path / "s4.safetensors"
-    r = run_cli("export", run_dir, "--params", "4", out)
+    r = invoke_cli("export", run_dir, "--params", "4", out)
     assert r.returncode == 0, r.stderr
     state = load_file(out)
     model = Net()
     model.load_state_dict(state, strict=True)
     assert state["bn.num_batches_tracked"].item() == 4
-    r = run_cli("export", run_dir, "--params", "last", out, "--force")
+    r = invoke_cli("export", run_dir, "--params", "last", out, "--force")
     assert r.returncode == 0 and "step 12" in r.stdout, r.stdout + r.stderr
     assert not torch.isfinite(load_file(out)["fc1.weight"]).all()  # the run ended NaN
 
@@ -136,7 +136,7 @@ def test_snapshots_export_and_load(nan_run, tmp_path):
 def test_sampled_tensors(nan_run, tmp_path):
     run_dir, _ = nan_run
     out = tmp_path / "s.safetensors"
-    r = run_cli("export", run_dir, "--tensors", "5", out)
+    r = invoke_cli("export", run_dir, "--tensors", "5", out)
     assert r.returncode == 0, r.stderr
     t = load_file(out)
     # default modules: the first, middle and last leaf modules with weights
@@ -244,9 +244,9 @@ def test_disk_budget_honoured_on_a_long_run(tmp_path):
     rt = load(tmp_path / "run").ranks[0]
     assert list(rt.snapshots["step"]) == [0, 270, 280, 290, 300]
     out = tmp_path / "first.safetensors"
-    assert run_cli("export", tmp_path / "run", "--params", "0", out).returncode == 0
+    assert invoke_cli("export", tmp_path / "run", "--params", "0", out).returncode == 0
     assert load_file(out).keys() == model.state_dict().keys()
-    r = run_cli("export", tmp_path / "run", "--params", "100", out, "--force")
+    r = invoke_cli("export", tmp_path / "run", "--params", "100", out, "--force")
     assert r.returncode == 2 and "no snapshot of step 100" in r.stderr and "270" in r.stderr
 
 
@@ -256,14 +256,14 @@ def test_half_precision_and_bfloat16_snapshots(tmp_path):
     with Recorder(model, tmp_path / "bf", histogram_every=0, sample_every=0):
         pass
     out = tmp_path / "bf.safetensors"
-    assert run_cli("export", tmp_path / "bf", "--params", "0", out, block_torch=True).returncode == 0
+    assert invoke_cli("export", tmp_path / "bf", "--params", "0", out, block_torch=True).returncode == 0
     state = load_file(out)
     for k, v in model.state_dict().items():
         assert state[k].dtype == torch.bfloat16 and torch.equal(state[k], v), k
     model = nn.Linear(4, 4)
     with Recorder(model, tmp_path / "half", snapshot_dtype="float16"):
         pass
-    assert run_cli("export", tmp_path / "half", "--params", "last", out, "--force").returncode == 0
+    assert invoke_cli("export", tmp_path / "half", "--params", "last", out, "--force").returncode == 0
     assert load_file(out)["weight"].dtype == torch.float16
     assert torch.equal(load_file(out)["weight"], model.weight.detach().half())
 
@@ -272,21 +272,21 @@ def test_export_errors(nan_run, tmp_path):
     run_dir, _ = nan_run
     from tests.cli.test_bad_input import assert_one_line_error
 
-    assert_one_line_error(run_cli("export", run_dir, "--params", "soon", tmp_path / "o"), "WHICH must be")
-    assert_one_line_error(run_cli("export", run_dir, "--tensors", "3", tmp_path / "o"), "no sampled tensors of step 3")
-    assert_one_line_error(run_cli("export", run_dir, "--params", "0", tmp_path / "no" / "o"), "cannot write")
+    assert_one_line_error(invoke_cli("export", run_dir, "--params", "soon", tmp_path / "o"), "WHICH must be")
+    assert_one_line_error(invoke_cli("export", run_dir, "--tensors", "3", tmp_path / "o"), "no sampled tensors of step 3")
+    assert_one_line_error(invoke_cli("export", run_dir, "--params", "0", tmp_path / "no" / "o"), "cannot write")
     torch.manual_seed(0)
     with Recorder(nn.Linear(2, 2), tmp_path / "off", snapshot_every=0, blackbox=False, sample_every=0):
         pass
-    assert_one_line_error(run_cli("export", tmp_path / "off", "--params", "last", tmp_path / "o"), "no parameter snapshots")
-    assert_one_line_error(run_cli("export", tmp_path / "off", "--params", "blackbox", tmp_path / "o"), "no black box")
-    r = run_cli("info", tmp_path / "off")
+    assert_one_line_error(invoke_cli("export", tmp_path / "off", "--params", "last", tmp_path / "o"), "no parameter snapshots")
+    assert_one_line_error(invoke_cli("export", tmp_path / "off", "--params", "blackbox", tmp_path / "o"), "no black box")
+    r = invoke_cli("info", tmp_path / "off")
     assert r.returncode == 0 and "off (blackbox=False)" in r.stdout
 
 
 def test_analyze_points_at_the_black_box(nan_run):
     run_dir, _ = nan_run
-    r = run_cli("analyze", run_dir, block_torch=True)
+    r = invoke_cli("analyze", run_dir, block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "black box: rank 0 kept step 7 (grad_nonfinite), parameters before its bad update" in r.stdout
     assert "--params blackbox params.safetensors --tensors blackbox inputs.safetensors" in r.stdout
@@ -294,7 +294,7 @@ def test_analyze_points_at_the_black_box(nan_run):
 
 def test_info_lists_what_the_trace_holds(nan_run):
     run_dir, _ = nan_run
-    r = run_cli("info", run_dir)
+    r = invoke_cli("info", run_dir)
     assert r.returncode == 0, r.stderr
     assert "fired at step 7 (grad_nonfinite)" in r.stdout
     assert "the parameters at steps 0, 4, 8, 12 " in r.stdout
@@ -337,7 +337,7 @@ def test_skipped_optimizer_step_does_not_fire_and_budget_too_small(tmp_path):
     rt = load(tmp_path / "run").ranks[0]
     assert len(rt.blackbox) == 0 and len(rt.snapshots) == 0
     assert int(rt.param_stat("grad_nonfinite")["fc1.weight"].iloc[3]) == 1  # still recorded
-    r = run_cli("info", tmp_path / "run")
+    r = invoke_cli("info", tmp_path / "run")
     assert "armed, never fired" in r.stdout and "exceeds snapshot_budget_bytes (100)" in r.stdout
 
 
@@ -352,7 +352,7 @@ def test_torn_snapshot_slot_is_refused(tmp_path):
         f["snapshots/bytes"][10] ^= 0xFF  # what a half-rewritten slot looks like
     from tests.cli.test_bad_input import assert_one_line_error
 
-    assert_one_line_error(run_cli("export", tmp_path / "run", "--params", "0", tmp_path / "o"),
+    assert_one_line_error(invoke_cli("export", tmp_path / "run", "--params", "0", tmp_path / "o"),
                           "snapshot of step 0 is incomplete")
 
 
@@ -380,7 +380,7 @@ def test_blackbox_rng_state_reproduces_dropout(tmp_path):
             opt.step()
             rec.step(loss=loss)
     p, t = tmp_path / "p.safetensors", tmp_path / "t.safetensors"
-    r = run_cli("export", tmp_path / "run", "--params", "blackbox", p, "--tensors", "blackbox", t)
+    r = invoke_cli("export", tmp_path / "run", "--params", "blackbox", p, "--tensors", "blackbox", t)
     assert r.returncode == 0, r.stderr
     params, tensors = load_file(p), load_file(t)
     again = TinyTransformer()
@@ -417,7 +417,7 @@ def test_blackbox_follows_buffers_replaced_mid_run(tmp_path):
             opt.step()
             rec.step(loss=loss)
     p_out = tmp_path / "params.safetensors"
-    r = run_cli("export", tmp_path / "run", "--params", "blackbox", p_out, block_torch=True)
+    r = invoke_cli("export", tmp_path / "run", "--params", "blackbox", p_out, block_torch=True)
     assert r.returncode == 0, r.stderr
     params = load_file(p_out)
     assert params["bn.running_mean"].dtype == torch.float64
