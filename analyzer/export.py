@@ -172,6 +172,8 @@ def fired_blackbox(trace, prefer: int | None = None):
     from .errors import TraceError
 
     ranks = sorted(trace.ranks.values(), key=lambda rt: (rt.rank != prefer, rt.rank))
+    digests = getattr(trace, "digests", None) or {}  # (after analyze: which ranks' black box fired)
+    ranks = [rt for rt in ranks if rt.rank not in digests or digests[rt.rank].blackbox_fired]
     for rt in ranks:
         try:
             bb = rt.blackbox

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import TraceError
 from ..trace.rank import RankTrace
 
 # The step's phases as the recorder splits a step's wall time (steps/*_s), in the order they run.
@@ -42,6 +43,7 @@ class RankDigest:
     last_stack_step: int | None = None
     nccl_env: dict = field(default_factory=dict)
     heartbeat_s: float = 0.0  # the recorder's heartbeat interval (0: none, or an older recorder)
+    blackbox_fired: bool = True  # its black box holds a row (True where not known: read the file to see)
 
     @property
     def step_s(self) -> np.ndarray:
@@ -103,7 +105,16 @@ def digest_of(rt: RankTrace) -> RankDigest:
         fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
         end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
         last_stack_step=stack_step, nccl_env=rt.nccl_env,
-        heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")))
+        heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")), blackbox_fired=_fired(rt))
+
+
+def _fired(rt: RankTrace) -> bool:
+    """Whether the rank's black box fired (told in the digest so the reports need not open every
+    rank's file again to find the one that did)."""
+    try:
+        return bool(len(rt.blackbox))
+    except TraceError:
+        return True  # (the reports read it and say what is wrong)
 
 
 def _seconds(v) -> float:
