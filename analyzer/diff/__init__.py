@@ -19,7 +19,7 @@ from .setup import setup_differences
 from .trajectories import (EXACT_TOLERANCE, Parting, common_steps, exact_regime, first_difference, loss_parting,
                            statistical_parting)
 
-__all__ = ["DiffResult", "diff_runs", "pick_rank"]
+__all__ = ["DiffResult", "diff_runs", "new_findings", "pick_rank"]
 
 
 @dataclass
@@ -107,11 +107,11 @@ def diff_runs(a: Trace, b: Trace, rank: int | None = None, findings: tuple[list,
         loss_parted = loss_parting(ra, rb, exact=parted.exact)
     result = DiffResult(ra, rb, identical, parted, loss_parted, first, len(steps), setup_differences(ra, rb))
     if findings is not None:
-        result.new_findings = _new_findings(*findings)
+        result.new_findings = new_findings(*findings)
     return result
 
 
-def _new_findings(fa: list[Finding], fb: list[Finding]) -> dict:
+def new_findings(fa: list[Finding], fb: list[Finding]) -> dict:
     """Findings (warning or error) of a kind the other run has none of."""
     def kinds(fs):
         return {f.kind for f in fs if f.severity in ("warning", "error")}
