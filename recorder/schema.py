@@ -1,6 +1,7 @@
 """The trace's schema, as the recorder writes it: its format name and version, and the tables
 written per step or per sample with their columns (docs/trace_format.md describes each). The
-analyzer spells the same schema on its side (analyzer/trace/; it never imports the recorder), and
+per-step tables come from torchautopsy/trace_schema.py, which the analyzer reads by too; the
+others the analyzer spells on its side (analyzer/trace/; it never imports the recorder), and
 tests/analyzer/test_schema_agreement.py holds the two together."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-SCHEMA_VERSION = 2
-FORMAT_NAME = "torchautopsy-trace"
+from .. import trace_schema
+from ..trace_schema import FORMAT_NAME, SCHEMA_VERSION  # noqa: F401 (the recorder's names for them)
 # The torch.profiler range around the recorder's own work inside a profiler window: the window's
 # operator table folds what runs inside it into one row of this name (profiler.py).
 OWN_WORK_RANGE = "torchautopsy.recorder"
@@ -41,75 +42,14 @@ def fill_value(dtype: str):
 # Tables written per step or per sample; each is an HDF5 group of equally long datasets.
 def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_modules: int = 0,
                  n_bins: int = 0) -> dict[str, list[Column]]:
+    widths = {trace_schema.ONE: None, trace_schema.PER_PARAM: n_params, trace_schema.PER_MODULE: n_modules}
+
+    def per_step(table: str) -> list[Column]:
+        return [Column(c.name, c.dtype, widths[c.width]) for c in trace_schema.columns(table)]
+
     return {
-        "steps": [
-            Column("step", "i8"),
-            Column("time_s", "f8"),
-            Column("loss", "f8"),
-            # 1: rec.step() was given a loss (a NaN loss is then a NaN, not a missing one); 0: not.
-            Column("loss_given", "i1"),
-            Column("rss_bytes", "i8"),
-            Column("cuda_allocated_bytes", "i8"),
-            Column("cuda_reserved_bytes", "i8"),
-            Column("cuda_peak_bytes", "i8"),
-            # Where the step's wall time went (host clock): between steps (from the end of the
-            # previous rec.step() to this step's first forward: loading data, and whatever else
-            # the loop does), of which waiting in DataLoader.__next__ (NaN if no DataLoader was
-            # used), forward, backward plus optimizer (to this rec.step() call), and the
-            # recorder's own work in rec.step().
-            Column("between_steps_s", "f4"),
-            Column("data_wait_s", "f4"),
-            Column("forward_s", "f4"),
-            Column("backward_s", "f4"),
-            Column("recorder_s", "f4"),
-            Column("nonfinite_origin", "i4"),
-            Column("batch_nonfinite", "i1"),
-            # The module that turned a -Inf made by nonfinite_origin into NaN/+Inf (-1: none).
-            Column("nonfinite_consumer", "i4"),
-            # On watched steps: 1 if the gradient that reached the model's outputs in the backward
-            # pass held NaN/Inf (born in the loss's backward), 0 if finite; -1 not measured.
-            Column("output_grad_nonfinite", "i1"),
-            # Census of live tensors, every `census_every` steps (-1 on other steps).
-            Column("live_tensors", "i8"),
-            Column("live_tensor_bytes", "i8"),
-            Column("live_tensors_with_graph", "i8"),
-            # Python's garbage collector during the step (gc.callbacks): seconds spent collecting,
-            # and how many full (generation 2) collections ran.
-            Column("gc_s", "f4"),
-            Column("gc_gen2", "i4"),
-            # The optimizer's schedule (schedule.py): the learning rate the step's update used
-            # (the first optimizer's first param group; NaN if none was seen), AMP's loss scale
-            # after the step (NaN without a GradScaler), and how many optimizer steps of the
-            # model ran (0: skipped, by the GradScaler or the loop; -1: no optimizer ever seen).
-            Column("lr", "f8"),
-            Column("loss_scale", "f4"),
-            Column("optimizer_steps", "i4"),
-            # Under DDP: the L2 norm of this rank's own gradients before the all-reduce averaged
-            # them (local_grads.py); NaN where not measured (not DDP, the first step, a job's own
-            # communication hook, a step without a gradient sync).
-            Column("local_grad_norm", "f4"),
-            # 1 if the step's optimizer step used the very gradient tensors of the previous one
-            # (never set to None in between: no zero_grad(), or zero_grad(set_to_none=False)),
-            # 0 if new ones, -1 if no optimizer step was seen (grad_norms.py).
-            Column("grads_kept", "i1"),
-            # The model's mode (its root's .training) at the step's forward passes with gradients:
-            # 1 train, 0 eval, 2 both, -1 none seen (or compiled: not seen); and how many forward
-            # passes without gradients ran in train mode since the previous rec.step().
-            Column("train_mode", "i1"),
-            Column("nograd_train_forwards", "i4"),
-            # The batch as the model received it (its first floating-point input, input_stats.py):
-            # min, max, mean, std every step (NaN: none); on watched steps the shares of exact
-            # zeros and of NaN/Inf, the features (columns of a 2-D batch) constant over the batch, and the
-            # largest feature std over the smallest non-zero one (NaN/-1: not measured).
-            Column("input_min", "f4"),
-            Column("input_max", "f4"),
-            Column("input_mean", "f4"),
-            Column("input_std", "f4"),
-            Column("input_zero_share", "f4"),
-            Column("input_nonfinite_share", "f4"),
-            Column("input_constant_features", "i4"),
-            Column("input_std_ratio", "f4"),
-        ],
+        # The per-step tables (steps, params, modules): torchautopsy/trace_schema.py spells them.
+        "steps": per_step("steps"),
         # Every numeric hyper-parameter of each param group (lr, momentum, betas.0, weight_decay,
         # ...): a row when first seen and whenever it changes; a value holds until its next row.
         "hyperparams": [
@@ -124,13 +64,8 @@ def table_layout(n_params: int, n_modules: int, n_hist_params: int = 0, n_hist_m
         # groups change (add_param_group), each with the parameter's requires_grad then.
         "optimizer_params": [Column("step", "i8"), Column("optimizer", "i4"), Column("param", "i4"),
                              Column("requires_grad", "i1")],
-        "params": [
-            Column("grad_norm", "f4", n_params),
-            Column("grad_absmax", "f4", n_params),
-            Column("grad_nonfinite", "i4", n_params),  # saturates at 2**31-1
-            Column("param_norm", "f4", n_params),
-        ],
-        "modules": [Column("output_absmax", "f4", n_modules)],
+        "params": per_step("params"),
+        "modules": per_step("modules"),
         "activations": [
             Column("step", "i8"),
             Column("mean", "f4", n_modules),

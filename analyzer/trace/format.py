@@ -10,13 +10,11 @@ import stat
 import h5py
 import numpy as np
 
+from ... import trace_schema
+from ...trace_schema import FORMAT_NAME, SCHEMA_VERSION  # noqa: F401 (the reader's names for them)
 from ..errors import TraceFormatError
 from .safety import check_trace_file
 
-# 2: module outputs, weight norms and gradient max |g| are measured on watched steps only (-1
-# elsewhere: not measured); activity windows say how many of their steps were watched.
-SCHEMA_VERSION = 2
-FORMAT_NAME = "torchautopsy-trace"
 # The row of a profiler window's operator table that holds the recorder's own work (its norms,
 # statistics and copies, folded into one: they are not the job's operators).
 OWN_WORK_RANGE = "torchautopsy.recorder"
@@ -35,11 +33,13 @@ _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
 # A rank file still being built by the recorder (recorder/writer.py renames it when readable).
 STARTING_SUFFIX = ".starting"
 
-PARAM_STATS = ("grad_norm", "grad_absmax", "grad_nonfinite", "param_norm")
-MODULE_STATS = ("output_absmax",)
-# Per-step datasets where -1 means "not measured on this step" (every real value is >= 0):
-# readers that reduce or draw them skip those entries.
-UNMEASURED_IS_NEGATIVE = ("modules/output_absmax", "params/param_norm", "params/grad_absmax")
+PARAM_STATS = tuple(c.name for c in trace_schema.columns("params"))
+MODULE_STATS = tuple(c.name for c in trace_schema.columns("modules"))
+# Per-step steps x tensors datasets where -1 means "not measured on this step" (every real value
+# is >= 0): readers that reduce or draw them skip those entries. (steps/'s own such columns
+# read as NaN in RankTrace.steps: step_columns.NOT_MEASURED_IS_MINUS_ONE.)
+UNMEASURED_IS_NEGATIVE = tuple(f"{t}/{name}" for t in ("params", "modules")
+                               for name in trace_schema.minus_one_not_measured(t))
 
 ACTIVATION_STATS = ("mean", "std", "absmax", "zero_frac", "nonfinite")
 HIST_KINDS = ("weight", "grad", "activation")

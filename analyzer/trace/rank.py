@@ -113,9 +113,9 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
 
     @cached_property
     def steps(self) -> pd.DataFrame:
-        """One row per step, indexed by step: time_s, loss, rss_bytes, cuda_*_bytes,
-        nonfinite_origin, batch_nonfinite, live_tensors*, the step's time split (*_s), lr,
-        loss_scale, optimizer_steps, ... (docs/trace_format.md). What was not measured on a step
+        """One row per step, indexed by step: the columns of steps/ in the file's order (time_s,
+        loss, loss_given, rss_bytes, cuda_*_bytes, the step's time split (*_s), ..., lr,
+        loss_scale, optimizer_steps, ...: docs/trace_format.md). What was not measured on a step
         is NaN; nonfinite_origin and nonfinite_consumer are module indices (-1: none)."""
         df = self.columns.frame()
         for col in NOT_MEASURED_IS_MINUS_ONE:

@@ -1,5 +1,6 @@
-"""The per-step table of a rank (``steps/*``), read a column at a time (the columns added after
-the first traces read as upgrade.py says when a trace lacks them)."""
+"""The per-step table of a rank (``steps/*``, its columns as torchautopsy/trace_schema.py lists
+them), read a column at a time (the columns added after the first traces read as upgrade.py says
+when a trace lacks them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from . import upgrade
+from ... import trace_schema
 
 if TYPE_CHECKING:
     from .rank import RankTrace
@@ -15,12 +16,9 @@ if TYPE_CHECKING:
 
 # Columns where -1 in the file means "not measured" (a CPU run's CUDA bytes, a step without a
 # census): RankTrace.steps, the DataFrame users read, shows NaN there.
-NOT_MEASURED_IS_MINUS_ONE = ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
-                             "live_tensors", "live_tensor_bytes", "live_tensors_with_graph", "gc_gen2",
-                             "optimizer_steps", "loss_given", "output_grad_nonfinite", "grads_kept",
-                             "train_mode", "nograd_train_forwards", "input_constant_features")
-STEP_COLUMNS = ("time_s", "loss", "rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
-                "cuda_peak_bytes", "nonfinite_origin", "batch_nonfinite", *upgrade.step_columns())
+NOT_MEASURED_IS_MINUS_ONE = trace_schema.minus_one_not_measured("steps")
+# Every column of steps/ but the step itself (the index), in the file's order.
+STEP_COLUMNS = tuple(c.name for c in trace_schema.columns("steps") if c.name != "step")
 
 
 class StepColumns:
