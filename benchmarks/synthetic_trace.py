@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from torchautopsy import trace_schema
 from torchautopsy.recorder.schema import FORMAT_NAME, SCHEMA_VERSION, table_layout
 from torchautopsy.recorder.writer import TraceWriter
 
@@ -119,24 +120,19 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         loss = 2.0 / (1 + steps / 1e4) + 0.05 * rng.random(n)
         loss = np.where(broken, np.nan, loss * np.sqrt(growth))
         census = np.where(steps % CENSUS_EVERY == 0, 5000, -1)
+        # What the run measures; every other column holds its "not measured" (trace_schema.py).
         w.write_columns("steps", {
+            **{c.name: np.full(n, c.fill) for c in trace_schema.columns("steps") if c.fill is not None},
             "step": steps, "time_s": now + 0.05 * steps, "loss": loss, "loss_given": np.ones(n),
-            "rss_bytes": np.full(n, 2 << 30), "cuda_allocated_bytes": np.full(n, -1),
-            "cuda_reserved_bytes": np.full(n, -1), "cuda_peak_bytes": np.full(n, -1),
-            "between_steps_s": np.full(n, 0.002, f32), "data_wait_s": np.full(n, np.nan, f32),
-            "forward_s": np.full(n, 0.015, f32), "backward_s": np.full(n, 0.03, f32),
-            "recorder_s": np.full(n, 0.001, f32), "gc_s": np.full(n, 0.0, f32), "gc_gen2": np.zeros(n),
-            "lr": np.full(n, 1e-3), "loss_scale": np.full(n, np.nan, f32), "optimizer_steps": np.ones(n),
-            "local_grad_norm": np.full(n, np.nan, f32), "grads_kept": np.zeros(n), "train_mode": np.ones(n),
-            "nograd_train_forwards": np.zeros(n),
-            **{c: np.full(n, np.nan, f32) for c in ("input_min", "input_max", "input_mean", "input_std",
-                                                    "input_zero_share", "input_nonfinite_share",
-                                                    "input_std_ratio")},
-            "input_constant_features": np.full(n, -1),
+            "rss_bytes": np.full(n, 2 << 30),
+            "between_steps_s": np.full(n, 0.002, f32), "forward_s": np.full(n, 0.015, f32),
+            "backward_s": np.full(n, 0.03, f32), "recorder_s": np.full(n, 0.001, f32),
+            "gc_s": np.full(n, 0.0, f32), "gc_gen2": np.zeros(n), "lr": np.full(n, 1e-3), "optimizer_steps": np.ones(n),
+            "grads_kept": np.zeros(n), "train_mode": np.ones(n), "nograd_train_forwards": np.zeros(n),
             # NaN is born in the forward pass of module 1 at the first broken step.
             "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),
-            "batch_nonfinite": np.zeros(n), "nonfinite_consumer": np.full(n, -1), "output_grad_nonfinite": np.full(n, -1), "live_tensors": census,
-            "live_tensor_bytes": np.where(census > 0, 1 << 30, -1), "live_tensors_with_graph": np.where(census > 0, 0, -1),
+            "live_tensors": census, "live_tensor_bytes": np.where(census > 0, 1 << 30, -1),
+            "live_tensors_with_graph": np.where(census > 0, 0, -1),
         })
         g = level * np.exp(0.3 * rng.standard_normal((n, n_params)))
         g[:, early] *= growth[:, None]

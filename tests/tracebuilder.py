@@ -29,26 +29,16 @@ import os
 import h5py
 import numpy as np
 
-from torchautopsy.analyzer.trace.format import FORMAT_NAME, SCHEMA_VERSION, UNMEASURED_IS_NEGATIVE
+from torchautopsy import trace_schema
+from torchautopsy.trace_schema import FORMAT_NAME, SCHEMA_VERSION
 
 _STR = h5py.string_dtype("utf-8")
-P, M, G = "params", "modules", "grows"  # widths of 2-D columns: per parameter, per module, growing
+P, M, G = trace_schema.PER_PARAM, trace_schema.PER_MODULE, "grows"  # widths of 2-D columns: per parameter, per module, growing
 # The tables the builder writes: (column, numpy dtype or "str", width), as the recorder lays them out.
 LAYOUT: dict[str, list[tuple]] = {
-    "steps": [("step", "i8"), ("time_s", "f8"), ("loss", "f8"), ("loss_given", "i1"), ("rss_bytes", "i8"),
-              ("cuda_allocated_bytes", "i8"), ("cuda_reserved_bytes", "i8"), ("cuda_peak_bytes", "i8"),
-              ("between_steps_s", "f4"), ("data_wait_s", "f4"), ("forward_s", "f4"), ("backward_s", "f4"),
-              ("recorder_s", "f4"), ("nonfinite_origin", "i4"), ("batch_nonfinite", "i1"),
-              ("nonfinite_consumer", "i4"), ("output_grad_nonfinite", "i1"), ("live_tensors", "i8"),
-              ("live_tensor_bytes", "i8"), ("live_tensors_with_graph", "i8"), ("gc_s", "f4"),
-              ("gc_gen2", "i4"), ("lr", "f8"), ("loss_scale", "f4"), ("optimizer_steps", "i4"),
-              ("local_grad_norm", "f4"), ("grads_kept", "i1"),
-              ("train_mode", "i1"), ("nograd_train_forwards", "i4"), ("input_min", "f4"), ("input_max", "f4"),
-              ("input_mean", "f4"), ("input_std", "f4"), ("input_zero_share", "f4"), ("input_nonfinite_share", "f4"),
-              ("input_constant_features", "i4"), ("input_std_ratio", "f4")],
-    "params": [("grad_norm", "f4", P), ("grad_absmax", "f4", P), ("grad_nonfinite", "i4", P),
-               ("param_norm", "f4", P)],
-    "modules": [("output_absmax", "f4", M)],
+    # The per-step tables, from the one schema the recorder writes by (torchautopsy/trace_schema.py).
+    **{t: [(c.name, c.dtype) + ((c.width,) if c.width != trace_schema.ONE else ()) for c in trace_schema.columns(t)]
+       for t in trace_schema.PER_STEP_TABLES},
     "activations": [("step", "i8"), ("mean", "f4", M), ("std", "f4", M), ("absmax", "f4", M),
                     ("zero_frac", "f4", M), ("nonfinite", "i4", M)],
     "updates": [("step", "i8"), ("ratio", "f4", P)],
@@ -81,20 +71,18 @@ LAYOUT: dict[str, list[tuple]] = {
                    ("raised_at", "str")],
 }
 HEARTBEAT_PHASES = ("data", "forward", "backward", "recorder", "between_steps")
-PER_STEP = ("steps", "params", "modules")
-# Per-step columns whose "nothing happened" value is 0, not the -1 / NaN of "not measured".
-_ZERO = {"steps/loss_given", "steps/batch_nonfinite", "params/grad_nonfinite"}
+PER_STEP = trace_schema.PER_STEP_TABLES
+# What a per-step column holds where a test sets nothing: "not measured", or "nothing happened"
+# (0 NaN/Inf elements, no loss given). None: written by the builder itself (step, time_s).
+_FILL = {c.path: c.fill for c in trace_schema.PER_STEP}
 # The recorder's options the analyzer reads (its defaults); config={} reads as an older recorder.
 DEFAULT_CONFIG = {"activations_every": 10, "activity_window": 50, "attention_every": 10, "census_every": 50,
                   "update_ratio_every": 10, "watch_warmup": 100, "fingerprint_every": 100, "heartbeat_s": 5.0}
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _default(name: str, dtype: str):
-    if name in _ZERO:
-        return 0
-    if name in UNMEASURED_IS_NEGATIVE:
-        return -1
+def _default(dtype: str):
+    """A sampled table's numeric column, where a row does not give it: NaN, or -1."""
     return np.nan if dtype.startswith("f") else -1
 
 
@@ -135,7 +123,8 @@ class TraceBuilder:
         for table in PER_STEP:
             for name, dtype, *width in LAYOUT[table]:
                 shape = (n, len(self.params) if width == [P] else len(self.modules)) if width else (n,)
-                self.cols[f"{table}/{name}"] = np.full(shape, _default(f"{table}/{name}", dtype),
+                fill = _FILL[f"{table}/{name}"]
+                self.cols[f"{table}/{name}"] = np.full(shape, 0 if fill is None else fill,
                                                        dtype=np.float64 if dtype[0] == "f" else np.int64)
         self.cols["steps/step"][:] = self.steps
         self.cols["steps/time_s"][:] = start_unix + step_s * (np.arange(n) + 1)
@@ -419,7 +408,7 @@ class TraceBuilder:
                     if table in PER_STEP:
                         data = self.cols[f"{table}/{col}"]
                     else:
-                        data = [r.get(col, _default(f"{table}/{col}", dtype) if dtype != "str" else "")
+                        data = [r.get(col, _default(dtype) if dtype != "str" else "")
                                 for r in self.rows[table]]
                     self._dataset(f[table], col, dtype, width[0] if width else None, data)
         return path
