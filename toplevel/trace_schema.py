@@ -22,7 +22,6 @@ FORMAT_NAME = "torchautopsy-trace"
 NAN = float("nan")
 ORIGINAL = "original"  # `since` of a column the first traces already had
 ONE, PER_PARAM, PER_MODULE = "one", "params", "modules"  # width: a value a row, or one per tensor
-_NOT_GIVEN = object()
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class StepColumn:
     older: float | int | None = None
     # What a step where nothing happened holds, where that is not `not_measured` (0 NaN/Inf
     # elements, no loss given); the trace builder's and the synthetic trace's default.
-    quiet: float | int | None = _NOT_GIVEN  # type: ignore[assignment]
+    quiet: float | int | None = None
 
     @property
     def path(self) -> str:
@@ -47,57 +46,58 @@ class StepColumn:
 
     @property
     def fill(self):
-        """What a step holds that measured nothing and saw nothing happen (None: always written)."""
-        return self.not_measured if self.quiet is _NOT_GIVEN else self.quiet
+        """What a step holds that measured nothing and saw nothing happen (None: a column every
+        step writes, as step and time_s)."""
+        return self.not_measured if self.quiet is None else self.quiet
 
 
-_ = StepColumn
+_c = StepColumn  # (short, for the one-line rows below)
 # In the order the recorder creates them. Meanings: docs/trace_format.md, "Per-step tables".
 PER_STEP: tuple[StepColumn, ...] = (
-    _("steps", "step", "i8", ONE, None, ORIGINAL),
-    _("steps", "time_s", "f8", ONE, None, ORIGINAL),
-    _("steps", "loss", "f8", ONE, NAN, ORIGINAL),  # NaN: none given (or a NaN loss: loss_given)
-    _("steps", "loss_given", "i1", ONE, -1, 2, older=-1, quiet=0),
-    _("steps", "rss_bytes", "i8", ONE, -1, ORIGINAL),
-    _("steps", "cuda_allocated_bytes", "i8", ONE, -1, ORIGINAL),  # -1: no CUDA
-    _("steps", "cuda_reserved_bytes", "i8", ONE, -1, ORIGINAL),
-    _("steps", "cuda_peak_bytes", "i8", ONE, -1, ORIGINAL),
-    _("steps", "between_steps_s", "f4", ONE, NAN, 1, older=NAN),  # the step's time split
-    _("steps", "data_wait_s", "f4", ONE, NAN, 1, older=NAN),
-    _("steps", "forward_s", "f4", ONE, NAN, 1, older=NAN),
-    _("steps", "backward_s", "f4", ONE, NAN, 1, older=NAN),
-    _("steps", "recorder_s", "f4", ONE, NAN, 1, older=NAN),
-    _("steps", "nonfinite_origin", "i4", ONE, None, ORIGINAL, quiet=-1),  # a module index; -1: none
-    _("steps", "batch_nonfinite", "i1", ONE, None, ORIGINAL, quiet=0),
-    _("steps", "nonfinite_consumer", "i4", ONE, None, 2, older=-1, quiet=-1),  # a module index
-    _("steps", "output_grad_nonfinite", "i1", ONE, -1, 2, older=-1),
-    _("steps", "live_tensors", "i8", ONE, -1, 1, older=-1),  # the census, on census steps only
-    _("steps", "live_tensor_bytes", "i8", ONE, -1, 1, older=-1),
-    _("steps", "live_tensors_with_graph", "i8", ONE, -1, 1, older=-1),
-    _("steps", "gc_s", "f4", ONE, NAN, 1, older=NAN),
-    _("steps", "gc_gen2", "i4", ONE, -1, 1, older=-1),
-    _("steps", "lr", "f8", ONE, NAN, 2, older=NAN),
-    _("steps", "loss_scale", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "optimizer_steps", "i4", ONE, -1, 2, older=-1),
-    _("steps", "local_grad_norm", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "grads_kept", "i1", ONE, -1, 2, older=-1),
-    _("steps", "train_mode", "i1", ONE, -1, 2, older=-1),
-    _("steps", "nograd_train_forwards", "i4", ONE, -1, 2, older=-1),
-    _("steps", "input_min", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_max", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_mean", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_std", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_zero_share", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_nonfinite_share", "f4", ONE, NAN, 2, older=NAN),
-    _("steps", "input_constant_features", "i4", ONE, -1, 2, older=-1),
-    _("steps", "input_std_ratio", "f4", ONE, NAN, 2, older=NAN),
-    _("params", "grad_norm", "f4", PER_PARAM, None, ORIGINAL, quiet=NAN),  # NaN: no gradient
-    _("params", "grad_absmax", "f4", PER_PARAM, -1, ORIGINAL),  # -1: not watched (schema 2)
-    _("params", "grad_nonfinite", "i4", PER_PARAM, None, ORIGINAL, quiet=0),
-    _("params", "param_norm", "f4", PER_PARAM, -1, ORIGINAL),
-    _("modules", "output_absmax", "f4", PER_MODULE, -1, ORIGINAL),
+    _c("steps", "step", "i8", ONE, None, ORIGINAL),
+    _c("steps", "time_s", "f8", ONE, None, ORIGINAL),
+    _c("steps", "loss", "f8", ONE, NAN, ORIGINAL),  # NaN: none given (or a NaN loss: loss_given)
+    _c("steps", "loss_given", "i1", ONE, -1, 2, older=-1, quiet=0),
+    _c("steps", "rss_bytes", "i8", ONE, -1, ORIGINAL),
+    _c("steps", "cuda_allocated_bytes", "i8", ONE, -1, ORIGINAL),  # -1: no CUDA
+    _c("steps", "cuda_reserved_bytes", "i8", ONE, -1, ORIGINAL),
+    _c("steps", "cuda_peak_bytes", "i8", ONE, -1, ORIGINAL),
+    _c("steps", "between_steps_s", "f4", ONE, NAN, 1, older=NAN),  # the step's time split
+    _c("steps", "data_wait_s", "f4", ONE, NAN, 1, older=NAN),
+    _c("steps", "forward_s", "f4", ONE, NAN, 1, older=NAN),
+    _c("steps", "backward_s", "f4", ONE, NAN, 1, older=NAN),
+    _c("steps", "recorder_s", "f4", ONE, NAN, 1, older=NAN),
+    _c("steps", "nonfinite_origin", "i4", ONE, None, ORIGINAL, quiet=-1),  # a module index; -1: none
+    _c("steps", "batch_nonfinite", "i1", ONE, None, ORIGINAL, quiet=0),
+    _c("steps", "nonfinite_consumer", "i4", ONE, None, 2, older=-1, quiet=-1),  # a module index
+    _c("steps", "output_grad_nonfinite", "i1", ONE, -1, 2, older=-1),
+    _c("steps", "live_tensors", "i8", ONE, -1, 1, older=-1),  # the census, on census steps only
+    _c("steps", "live_tensor_bytes", "i8", ONE, -1, 1, older=-1),
+    _c("steps", "live_tensors_with_graph", "i8", ONE, -1, 1, older=-1),
+    _c("steps", "gc_s", "f4", ONE, NAN, 1, older=NAN),
+    _c("steps", "gc_gen2", "i4", ONE, -1, 1, older=-1),
+    _c("steps", "lr", "f8", ONE, NAN, 2, older=NAN),
+    _c("steps", "loss_scale", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "optimizer_steps", "i4", ONE, -1, 2, older=-1),
+    _c("steps", "local_grad_norm", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "grads_kept", "i1", ONE, -1, 2, older=-1),
+    _c("steps", "train_mode", "i1", ONE, -1, 2, older=-1),
+    _c("steps", "nograd_train_forwards", "i4", ONE, -1, 2, older=-1),
+    _c("steps", "input_min", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_max", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_mean", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_std", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_zero_share", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_nonfinite_share", "f4", ONE, NAN, 2, older=NAN),
+    _c("steps", "input_constant_features", "i4", ONE, -1, 2, older=-1),
+    _c("steps", "input_std_ratio", "f4", ONE, NAN, 2, older=NAN),
+    _c("params", "grad_norm", "f4", PER_PARAM, None, ORIGINAL, quiet=NAN),  # NaN: no gradient
+    _c("params", "grad_absmax", "f4", PER_PARAM, -1, ORIGINAL),  # -1: not watched (schema 2)
+    _c("params", "grad_nonfinite", "i4", PER_PARAM, None, ORIGINAL, quiet=0),
+    _c("params", "param_norm", "f4", PER_PARAM, -1, ORIGINAL),
+    _c("modules", "output_absmax", "f4", PER_MODULE, -1, ORIGINAL),
 )
-del _
+del _c
 
 PER_STEP_TABLES = ("steps", "params", "modules")
 
