@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def analyze(run_dir: str, out_dir: str) -> tuple[float, int, int]:
-    """(wall seconds, peak RSS bytes, exit code) of one `analyze --json --html`, in a fresh process."""
+    """(wall seconds, CPU seconds, peak RSS bytes, exit code) of one `analyze --json --html`, in a fresh process."""
     cmd = [sys.executable, "-m", "torchautopsy.analyzer.cli", "analyze", run_dir,
            "--json", os.path.join(out_dir, "findings.json"), "--html", os.path.join(out_dir, "report.html")]
     t0 = time.perf_counter()
@@ -34,7 +34,7 @@ def analyze(run_dir: str, out_dir: str) -> tuple[float, int, int]:
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return wall, int(usage.ru_maxrss) * 1024, proc.returncode
+    return wall, usage.ru_utime + usage.ru_stime, int(usage.ru_maxrss) * 1024, proc.returncode
 
 
 def main() -> None:
@@ -53,23 +53,24 @@ def main() -> None:
                             "--params", str(a.params), "--explode-at", str(n * 9 // 10)],
                            check=True, stdout=subprocess.DEVNULL)
         out = tempfile.mkdtemp(prefix="out-", dir=base)
-        wall, rss, rc = analyze(run, out)
+        wall, cpu, rss, rc = analyze(run, out)
         size = os.path.getsize(os.path.join(run, "rank0.h5"))
         html = os.path.getsize(os.path.join(out, "report.html")) if rc in (0, 1) else 0
-        rows.append((n, size, wall, rss, html, rc))
+        rows.append((n, size, wall, cpu, rss, html, rc))
         shutil.rmtree(out, ignore_errors=True)
-        print(f"  {n:>9,} steps: {wall:5.1f} s, peak RSS {rss / 2**20:5.0f} MiB (exit {rc})", flush=True)
+        print(f"  {n:>9,} steps: {wall:5.1f} s ({cpu:.1f} CPU-s), peak RSS {rss / 2**20:5.0f} MiB (exit {rc})",
+              flush=True)
 
     print(f"\nanalyze --json --html, {a.params} parameter tensors, {a.params} modules "
           f"(python {sys.version.split()[0]}, {os.cpu_count()} CPUs)\n")
-    print("| steps | trace size | wall time | peak RSS | HTML report |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for n, size, wall, rss, html, rc in rows:
+    print("| steps | trace size | wall time | CPU time | peak RSS | HTML report |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, size, wall, cpu, rss, html, rc in rows:
         note = "" if rc in (0, 1) else f" (exit {rc})"
-        print(f"| {n:,} | {size / 2**30:.2f} GiB | {wall:.1f} s | {rss / 2**20:,.0f} MiB | "
+        print(f"| {n:,} | {size / 2**30:.2f} GiB | {wall:.1f} s | {cpu:.1f} s | {rss / 2**20:,.0f} MiB | "
               f"{html / 2**10:,.0f} KiB{note} |")
     if len(rows) >= 2:
-        (n0, _, w0, r0, _, _), (n1, _, w1, r1, _, _) = rows[0], rows[-1]
+        (n0, _, w0, _, r0, _, _), (n1, _, w1, _, r1, _, _) = rows[0], rows[-1]
         print(f"\nfrom {n0:,} to {n1:,} steps ({n1 / n0:.0f}x): time x{w1 / w0:.1f}, peak RSS x{r1 / r0:.2f} "
               f"(+{(r1 - r0) / (n1 - n0):.0f} bytes per step: the 1-D per-step series such as loss, "
               f"time and memory; the steps x tensors tables are streamed)")
