@@ -94,7 +94,7 @@ def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, c
 def _compared(a: Trace, b: Trace, rank: int | None):
     """diff_runs with each run's findings. Runs of one rank (the common case) have their
     detectors run in two worker processes while this one compares them: a 1M-step pair is
-    ~12 CPU-s of detectors each beside 16-29 of comparison. Runs of several ranks analyze their
+    ~25 CPU-s of detectors each beside 16-29 of comparison (measured). Runs of several ranks analyze their
     ranks in workers already (analyze's own pool), so they are analyzed one after the other."""
     pick_rank(a, b, rank)  # (unusable input: one line, before any worker starts)
     if len(a.attempts) == 1 and len(b.attempts) == 1:
