@@ -22,9 +22,10 @@ import time
 
 import click
 
+from .cluster import SCHEDULER_HELP, scheduler_for
 from .config_file import load_config
 from .display import shorten_words
-from .errors import ConfigError, TraceError
+from .errors import ClusterError, ConfigError, TraceError
 from .export import ExportError
 from .findings import not_checked
 from .output import STDOUT, check_outputs, write_output, write_stdout
@@ -39,7 +40,7 @@ class InputError(Exception):
 
 # Unusable input, whichever command met it (a trace may be read lazily, well into a command):
 # "Error: <message>" on stderr, exit code 2.
-INPUT_ERRORS = (TraceError, ConfigError, ExportError, InputError)
+INPUT_ERRORS = (TraceError, ConfigError, ExportError, InputError, ClusterError)
 
 
 def _rank_files(run_dir: str) -> list[str]:
@@ -226,7 +227,8 @@ def _dash_outputs(json_path, html_path, pdf_path, md_path) -> str | None:
 @click.option("--open", "open_html", is_flag=True,
               help="Open the HTML report in a web browser (written to a temporary file without --html).")
 @click.option("--color/--no-color", "colour", default=None, help=_COLOR_HELP)
-def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html, colour):
+@click.option("--scheduler", metavar="ADDRESS", default=None, help=SCHEDULER_HELP)
+def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_path, open_html, colour, scheduler):
     """Analyze RUN_DIR (a run directory of rank*.h5 files, or one such file).
 
     Prints the findings (colour and wrapping only on a terminal); exit code 0, or 1 when a finding
@@ -244,13 +246,15 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     # The one rule of every output (output.py): a report replaces a file, never a trace or a link;
     # checked before a long analysis, not after.
     check_outputs((json_path, html_path, pdf_path, md_path), traces)
-    trace, progress = _load(run_dir, len(traces))
-    try:
-        progress(0, 1, "running the detectors")
-        findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)),
-                                 progress=lambda done, total: progress(done, total, f"ranks analyzed: {done:,} of {total:,}"))
-    finally:
-        progress.close()
+    with scheduler_for(scheduler) as client:  # (connected before a long load, so a wrong address is told at once)
+        trace, progress = _load(run_dir, len(traces))
+        try:
+            progress(0, 1, "running the detectors")
+            findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)), scheduler=client,
+                                     progress=lambda done, total: progress(done, total,
+                                                                           f"ranks analyzed: {done:,} of {total:,}"))
+        finally:
+            progress.close()
 
     from ..reports.terminal import analyze_lines
     from ..reports.terminal_style import style_for

@@ -15,6 +15,7 @@ from concurrent.futures.process import BrokenProcessPool
 import click
 
 from .cli import _dash_outputs, _echo_to, _load, _rank_files, cli
+from .cluster import SCHEDULER_HELP, scheduler_for
 from .diff import diff_runs, new_findings, pick_rank
 from .output import check_outputs, write_output, write_stdout
 from .parallel import workers_for
@@ -40,7 +41,8 @@ from .trace.run_dir import load_files
 @click.option("--fail-on", type=click.Choice(["parted", "none"]), default="none", show_default=True,
               help="Exit 1 when B parts from A (a training-regression gate for CI).")
 @click.option("--color/--no-color", "colour", default=None, help="Colour (default: only on a terminal).")
-def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, colour):
+@click.option("--scheduler", metavar="ADDRESS", default=None, help=SCHEDULER_HELP)
+def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, colour, scheduler):
     """Compare RUN_B (the suspect) with RUN_A (the reference, the run that worked): the setup
     differences (model, optimizer, schedule, precision, batch, versions), the first step and the
     first recorded value where B parts from A, and the findings only one of them has. Printed on
@@ -51,9 +53,10 @@ def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, c
     files = files_a + files_b
     check_outputs((None if to_stdout == "json" else json_path, html_path, pdf_path,
                    None if to_stdout == "md" else md_path), files)
-    a, _ = _load(run_a, len(files_a))
-    b, _ = _load(run_b, len(files_b))
-    result = _compared(a, b, rank)
+    with scheduler_for(scheduler) as client:
+        a, _ = _load(run_a, len(files_a))
+        b, _ = _load(run_b, len(files_b))
+        result = _compared(a, b, rank, client)
 
     from ..reports.diff_text import diff_lines, render_diff_markdown
     from ..reports.terminal_style import style_for
@@ -91,13 +94,14 @@ def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, c
         sys.exit(1)
 
 
-def _compared(a: Trace, b: Trace, rank: int | None):
+def _compared(a: Trace, b: Trace, rank: int | None, client=None):
     """diff_runs with each run's findings. Runs of one rank (the common case) have their
     detectors run in two worker processes while this one compares them: a 1M-step pair is
     ~25 CPU-s of detectors each beside 16-29 of comparison (measured). Runs of several ranks analyze their
-    ranks in workers already (analyze's own pool), so they are analyzed one after the other."""
+    ranks in workers already (analyze's own pool), so they are analyzed one after the other, as
+    they are on a Dask cluster (``client``: --scheduler), each rank a task there."""
     pick_rank(a, b, rank)  # (unusable input: one line, before any worker starts)
-    if len(a.attempts) == 1 and len(b.attempts) == 1:
+    if len(a.attempts) == 1 and len(b.attempts) == 1 and client is None:
         try:
             with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
                 jobs = []
@@ -109,7 +113,7 @@ def _compared(a: Trace, b: Trace, rank: int | None):
                 return result
         except (OSError, NotImplementedError, BrokenProcessPool):
             pass  # (no worker processes here: the detectors run in this process)
-    findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts))) for t in (a, b))
+    findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts)), scheduler=client) for t in (a, b))
     return diff_runs(a, b, rank, findings=findings)
 
 

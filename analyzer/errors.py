@@ -20,3 +20,8 @@ class SchemaVersionError(TraceError):
 class ConfigError(Exception):
     """A thresholds file (``--config FILE.toml``) that cannot be used; the message names the file,
     the table and the key, and lists the valid ones. Not a TraceError: the trace may be fine."""
+
+
+class ClusterError(Exception):
+    """A ``--scheduler`` that cannot be used: a malformed address, a scheduler that does not
+    answer, Dask not installed. Not a TraceError: the trace may be fine."""

@@ -72,6 +72,12 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
     return dict(sorted(results.items()))
 
 
+def could_not_read(rank: int | None, file: str, why: str) -> Finding:
+    """The "could not read" finding of a rank file (unreadable_rank): ``why`` says what happened."""
+    return Finding("unreadable_rank", "warning", None, [], f"{file}: {why}" if rank is not None else why,
+                   {"file": file}, "Copy that rank's file again from the job's run directory.", rank=rank)
+
+
 def _one_rank(run_dir: str, files: list[str], rank: int, rank_pass, passed=()) -> RankResult:
     """In a worker: one rank's files read as a run of one rank, then its pass. ``passed``: the
     identities of those files the parent checked (safety.py): a file still of that identity (not

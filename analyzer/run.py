@@ -15,7 +15,7 @@ from .cross_rank.merge import merge
 from .detectors import DETECTORS
 from .errors import TraceError
 from .findings import Evidence, Finding, not_checked, sort_findings
-from .parallel import per_rank
+from .parallel import could_not_read, per_rank
 from .trace import Trace
 
 
@@ -34,14 +34,16 @@ RUNNER_EVIDENCE = {"analyzer_error": AnalyzerErrorEvidence, "unreadable_rank": U
 
 
 def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
-            progress=None) -> list[Finding]:
+            progress=None, scheduler=None) -> list[Finding]:
     """All findings of all detectors on all ranks, one per event, most severe and earliest first.
 
     Each rank is read alone, in ``workers`` worker processes (parallel.py; the CLI uses one per
     CPU; from a script of your own, under ``if __name__ == "__main__":``, as multiprocessing
     needs): its detectors' findings and its digest come back. The ranks' findings are merged, one per
     event with its ranks listed (cross_rank/merge.py); then the cross-rank detectors judge the
-    digests together (cross_rank/). ``trace.digests`` keeps the digests for the report.
+    digests together (cross_rank/). ``trace.digests`` keeps the digests for the report. With
+    ``scheduler`` (a dask.distributed Client, a scheduler's address or ``local:N``) each rank is
+    a task on that Dask cluster instead (cluster.py): the same findings.
 
     A detector that crashes does not stop the others: its crash becomes an ``error`` finding of
     kind ``analyzer_error`` that names the detector, so a bug in us is never taken for a clean run.
@@ -52,13 +54,17 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
     cfg = cfg or AnalysisConfig()
     findings: list[Finding] = []
     for path, reason in trace.unreadable.items():
-        findings.append(Finding("unreadable_rank", "warning", None, [], reason, {"file": path},
-                                "Copy that rank's file again from the job's run directory."))
+        findings.append(could_not_read(None, path, reason))
     for kind, note in trace.notes:
         if kind == "mixed_runs":  # (a changed world size is a note only: elastic jobs do that)
             findings.append(Finding("mixed_runs", "warning", None, [], note, {},
                                     "Give each run a directory of its own; a restarted job keeps its run's."))
-    results = per_rank(trace, partial(rank_pass, cfg=cfg), workers, progress)
+    if scheduler is None:
+        results = per_rank(trace, partial(rank_pass, cfg=cfg), workers, progress)
+    else:  # (the same pass, a Dask task a rank: cluster.py)
+        from .cluster import per_rank as per_rank_on
+
+        results = per_rank_on(trace, partial(rank_pass, cfg=cfg), scheduler, progress)
     digests = {r: d for r, (_, d) in results.items() if d is not None}
     trace.digests = digests
     merged = merge([f for found, _ in results.values() for f in found], trace.ranks, digests)

@@ -1,0 +1,152 @@
+"""The per-rank pass on a Dask cluster (analyzer/cluster.py, ``--scheduler``): a real 2-worker
+LocalCluster (worker processes, 1 GiB each) gives the findings the local path gives on the
+many-rank cases of the suite (tests/analyzer/detectors/test_cross_rank.py's planted runs, the
+DDP samples, the many_ranks benchmark's run in small, copies of one rank); a rank whose task
+fails, or whose worker dies each time it runs it, is that rank's "could not read" finding."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from tests.analyzer.detectors.test_cross_rank import RANKS, _stall, rank
+from tests.helpers import SAMPLES, rank_copies
+
+pytestmark = pytest.mark.slow  # (a cluster's worker processes start in ~6-10 s on two cores)
+
+
+@pytest.fixture(scope="module")
+def client():
+    import dask
+    from distributed import Client, LocalCluster
+
+    # A task whose worker dies is given up at once (Dask's default retries it 3 times, on fresh workers).
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="1GiB",
+                         dashboard_address=None, silence_logs=logging.CRITICAL) as cluster, Client(cluster) as c:
+        yield c
+
+
+def _straggler(d):
+    bs = [rank(r) for r in range(RANKS)]
+    bs[3].set("steps/forward_s", 0.08, at=slice(120, None))
+    for b in bs[:3]:
+        b.set("steps/backward_s", b.cols["steps/backward_s"] + np.where(b.steps >= 120, 0.05, 0))
+    return bs
+
+
+def _diverged(d):
+    bs = [rank(r) for r in range(RANKS)]
+    for row in bs[2].rows["fingerprints"][7:]:
+        row["bits"] = row["bits"].copy()
+        row["bits"][1] += 1
+    return bs
+
+
+def _hang(d):
+    bs = [rank(r, steps=150) for r in range(RANKS)]
+    _stall(bs[1], 150, "data", 61, "batch = next(it)")
+    for r in (0, 2, 3):
+        _stall(bs[r], 150, "backward", 64, "loss.backward()")
+    return bs
+
+
+def _died(d):
+    bs = [rank(r, steps=150) for r in range(RANKS)]
+    bs[2] = rank(2, steps=120).attrs(closed=True, end_reason="exception: RuntimeError: CUDA error")
+    for r in (0, 1, 3):
+        _stall(bs[r], 150, "backward", 64, "loss.backward()")
+    return bs
+
+
+def _exploded(d):
+    bs = [rank(r) for r in range(RANKS)]
+    for b in bs:
+        b.total_grad_norm(1e6, at=slice(150, None))
+    bs[2].loss(40.0, at=150)
+    return bs
+
+
+def _split(d):
+    bs = [rank(r) for r in range(RANKS)]
+    for r, b in enumerate(bs):
+        for row in b.rows["fingerprints"][5:]:
+            row["bits"] = row["bits"] + r
+    return bs
+
+
+BUILT = {"straggler": _straggler, "diverged": _diverged, "hang": _hang, "died": _died, "exploded": _exploded,
+         "split": _split, "healthy": lambda d: [rank(r) for r in range(RANKS)]}
+
+
+def _run_dir(case: str, tmp_path):
+    """The run directory of a case: written here, or a sample's."""
+    if case in BUILT:
+        for r, b in enumerate(BUILT[case](tmp_path)):
+            b.write(tmp_path, rank=r)
+        return tmp_path
+    if case == "many_ranks":  # (the benchmark's run: a straggler, a diverged replica, a hang; 8 ranks)
+        from benchmarks.many_ranks import write_run
+
+        write_run(tmp_path, ranks=8, steps=400, params=30, workers=1)
+        return tmp_path
+    if case == "copies":
+        return rank_copies(tmp_path / "run", 6)
+    return SAMPLES / case
+
+
+def _findings(run_dir, **how) -> list[dict]:
+    from torchautopsy.analyzer.run import analyze
+    from torchautopsy.analyzer.trace import load
+
+    return sorted((f.to_dict() for f in analyze(load(str(run_dir)), **how)),
+                  key=lambda f: (f["kind"], str(f["rank"]), str(f["step"]), f["summary"]))
+
+
+@pytest.mark.parametrize("case", [*BUILT, "many_ranks", "copies", "ddp_straggler", "ddp_hang"])
+def test_the_cluster_finds_what_the_local_path_finds(client, case, tmp_path):
+    run_dir = _run_dir(case, tmp_path)
+    local = _findings(run_dir, workers=1)
+    on_dask = _findings(run_dir, scheduler=client)
+    assert on_dask == local
+    assert case in ("healthy", "copies") or any(f["severity"] != "info" for f in local)  # (a case that shows something)
+
+
+def _fails_on_rank_2(trace, r, cfg=None):
+    """A rank pass that raises on rank 2 (as a damaged file's read would), else the real one."""
+    from torchautopsy.analyzer.run import rank_pass
+
+    if r == 2:
+        raise ValueError("a damaged table")
+    return rank_pass(trace, r, cfg)
+
+
+def _kills_its_worker_on_rank_2(trace, r, cfg=None):
+    """A rank pass whose process dies on rank 2 (the OOM killer, a segfault in a library)."""
+    from torchautopsy.analyzer.run import rank_pass
+
+    if r == 2:
+        os._exit(9)
+    return rank_pass(trace, r, cfg)
+
+
+@pytest.mark.parametrize("rank_pass, why", [(_fails_on_rank_2, "reading it failed: ValueError: a damaged table"),
+                                            (_kills_its_worker_on_rank_2, "the worker reading it died")])
+def test_a_rank_whose_task_fails_is_that_ranks_could_not_read_finding(client, tmp_path, rank_pass, why):
+    from torchautopsy.analyzer import cluster
+    from torchautopsy.analyzer.config import AnalysisConfig
+    from torchautopsy.analyzer.trace import load
+
+    trace = load(str(_run_dir("healthy", tmp_path)))
+    seen = []
+    results = cluster.per_rank(trace, lambda t, r: rank_pass(t, r, AnalysisConfig()), client,
+                               progress=lambda done, total: seen.append((done, total)))
+    assert sorted(results) == [0, 1, 2, 3] and seen[-1] == (4, 4)
+    (lost,), digest = results[2]
+    assert digest is None and (lost.kind, lost.rank, lost.severity) == ("unreadable_rank", 2, "warning")
+    assert why in lost.summary and lost.evidence["file"].endswith("rank2.h5")
+    assert all(d is not None and not any(f.kind == "unreadable_rank" for f in found)
+               for r, (found, d) in results.items() if r != 2)
