@@ -262,11 +262,28 @@ def _memory(pid: int) -> tuple[int, int]:
     return pss, rss
 
 
-def analyze(run_dir: str, out_dir: str, timeout_s: float) -> dict:
-    """Run the real CLI on ``run_dir``: its wall time, exit status, peak memory of its process tree."""
+def _own(pid: int) -> tuple[int, float]:
+    """(peak RSS so far: VmHWM, CPU seconds so far: user + sys) of one process; (0, 0) if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            hwm = next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")), 0)
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return hwm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0, 0.0
+
+
+def analyze(run_dir: str, out_dir: str, timeout_s: float, scheduler: str | None = None) -> dict:
+    """Run the real CLI on ``run_dir``: its wall time, exit status, peak memory of its process
+    tree, and of the CLI's own process (the parent: the merge, the cross-rank detectors, the
+    report), the CPU seconds of the tree (every process it started and waited for) and of the parent."""
     j, h = os.path.join(out_dir, "findings.json"), os.path.join(out_dir, "report.html")
     cmd = [sys.executable, "-m", "torchautopsy.analyzer.cli", "analyze", run_dir, "--json", j, "--html", h]
-    peak_pss = peak_rss = procs = 0
+    cmd += ["--scheduler", scheduler] if scheduler else []
+    peak_pss = peak_rss = procs = parent_hwm = 0
+    parent_cpu = 0.0
+    before = os.times()
     with open(os.path.join(out_dir, "cli.log"), "w+") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MPLBACKEND": "Agg"})
@@ -276,6 +293,8 @@ def analyze(run_dir: str, out_dir: str, timeout_s: float) -> dict:
             peak_pss = max(peak_pss, sum(m[0] for m in mem))
             peak_rss = max(peak_rss, sum(m[1] for m in mem))
             procs = max(procs, len(tree))
+            hwm, cpu = _own(proc.pid)
+            parent_hwm, parent_cpu = max(parent_hwm, hwm), max(parent_cpu, cpu)
             if time.perf_counter() - t0 > timeout_s:
                 proc.kill()
             try:
@@ -285,8 +304,51 @@ def analyze(run_dir: str, out_dir: str, timeout_s: float) -> dict:
         wall = time.perf_counter() - t0
         log.seek(0)
         tail = log.read()[-3000:]
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
     return {"wall_s": wall, "rc": proc.returncode, "peak_pss": peak_pss, "peak_rss": peak_rss, "procs": procs,
+            "parent_rss": parent_hwm, "parent_cpu_s": parent_cpu, "cpu_s": cpu,
             "json": j if os.path.exists(j) else None, "log": tail}
+
+
+STAGES_SCRIPT = """
+import json, os, resource, sys, time
+from torchautopsy.analyzer.run import analyze
+from torchautopsy.analyzer.trace import load
+from torchautopsy.reports import build_report, render_html
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+def stage(name, fn):
+    with open("/proc/self/clear_refs", "w") as f:  # (the high-water mark starts again from now)
+        f.write("5")
+    c, t = time.process_time(), time.perf_counter()
+    out = fn()
+    print(json.dumps({"stage": name, "cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - t,
+                      "peak_rss": hwm()}), flush=True)
+    return out
+
+if __name__ == "__main__":
+    run_dir, scheduler = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+    trace = stage("load", lambda: load(run_dir))
+    found = stage("analyze", lambda: analyze(trace, workers=2, scheduler=scheduler))
+    report = stage("report", lambda: build_report(trace, found))
+    stage("html", lambda: render_html(report))
+"""
+
+
+def stages(run_dir: str, scheduler: str | None) -> list[dict]:
+    """The parent's own share, stage by stage (opening the files, the analysis with its merge and
+    cross-rank detectors, building the report, rendering the HTML): CPU seconds of this process
+    (not its workers') and its peak RSS within each stage (VmHWM, reset between stages)."""
+    cmd = [sys.executable, "-c", STAGES_SCRIPT, run_dir] + ([scheduler] if scheduler else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MPLBACKEND": "Agg"})
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+    return rows
 
 
 def found(json_path: str | None, truth: dict) -> dict:
@@ -317,7 +379,7 @@ def _size(n: int) -> str:
 
 
 def one(ranks: int, steps: int, params: int, out: str | None, keep: bool, seed: int, timeout_s: float,
-        repeats: int = 1) -> dict:
+        repeats: int = 1, scheduler: str | None = None, stages_too: bool = False) -> dict:
     """Write a run, analyze it ``repeats`` times: the fastest wall time, the highest peaks."""
     run_dir = out or tempfile.mkdtemp(prefix=f"torchautopsy-ranks{ranks}-")
     os.makedirs(run_dir, exist_ok=True)
@@ -330,15 +392,23 @@ def one(ranks: int, steps: int, params: int, out: str | None, keep: bool, seed: 
     runs = []
     for _ in range(repeats):
         base = tempfile.mkdtemp(prefix="torchautopsy-out-")
-        res = analyze(run_dir, base, timeout_s)
+        res = analyze(run_dir, base, timeout_s, scheduler)
         res["found"] = found(res["json"], truth)
         shutil.rmtree(base, ignore_errors=True)
-        print(f"  analyzed in {res['wall_s']:.1f} s, exit {res['rc']}", flush=True)
+        print(f"  analyzed in {res['wall_s']:.1f} s, exit {res['rc']}; {res['cpu_s']:.0f} CPU-s "
+              f"({res['parent_cpu_s']:.0f} of them the parent's), parent peak RSS "
+              f"{res['parent_rss'] / 2**20:,.0f} MiB", flush=True)
         if res["rc"] not in (0, 1):
             print(f"  the CLI failed (exit {res['rc']}):\n{res['log']}", file=sys.stderr)
         runs.append(res)
+    if stages_too:
+        runs[0]["stages"] = stages(run_dir, scheduler)
+        for row in runs[0]["stages"]:
+            print(f"  parent, {row['stage']}: {row['cpu_s']:.1f} CPU-s, {row['wall_s']:.1f} s, peak RSS "
+                  f"{row['peak_rss'] / 2**20:,.0f} MiB", flush=True)
     res = min([x for x in runs if x["rc"] in (0, 1)] or runs, key=lambda x: x["wall_s"])
     res = {**res, "peak_pss": max(x["peak_pss"] for x in runs), "peak_rss": max(x["peak_rss"] for x in runs),
+           "parent_rss": max(x["parent_rss"] for x in runs),
            "rc": next((x["rc"] for x in runs if x["rc"] not in (0, 1)), res["rc"]), "truth": truth}
     if not keep:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -356,21 +426,30 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600.0, help="kill the CLI after this many seconds")
     ap.add_argument("--repeats", type=int, default=1, help="analyze each run this many times: the fastest, the peaks")
+    ap.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                    help="analyze --scheduler ADDRESS: the per-rank pass on a Dask cluster (local:2 on this machine)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="these numbers of ranks, one after the other")
+    ap.add_argument("--stages", action="store_true",
+                    help="also the parent's own CPU time and peak memory, stage by stage (in-process)")
     a = ap.parse_args()
-    sizes = [8, 16, 32, 64] if a.scale else [a.ranks]
+    sizes = a.sizes or ([8, 16, 32, 64] if a.scale else [a.ranks])
     results = []
     for r in sizes:
-        out = os.path.join(a.out, f"ranks{r}") if (a.out and a.scale) else a.out
-        results.append(one(r, a.steps, a.params, out, a.keep or bool(a.out), a.seed, a.timeout, a.repeats))
+        out = os.path.join(a.out, f"ranks{r}") if (a.out and len(sizes) > 1) else a.out
+        results.append(one(r, a.steps, a.params, out, a.keep or bool(a.out), a.seed, a.timeout, a.repeats,
+                           a.scheduler, a.stages))
     print(f"\nanalyze --json --html (python {sys.version.split()[0]}, {os.cpu_count()} CPUs); "
           "peak memory: the CLI's process tree, sampled every 0.1 s\n")
-    print("| ranks | steps | tensors | run size | write | analyze | peak PSS | peak RSS (sum) | processes | exit |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ranks | steps | tensors | run size | write | analyze | peak PSS | peak RSS (sum) | processes | exit "
+          "| CPU-s (all) | CPU-s a rank | parent CPU-s | parent peak RSS |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for res in results:
         t = res["truth"]
         print(f"| {t['ranks']} | {t['steps_recorded']:,} of {t['steps_planned']:,} | {t['params']} | "
               f"{_size(t['bytes'])} | {t['write_s']:.1f} s | {res['wall_s']:.1f} s | "
-              f"{res['peak_pss'] / 2**20:,.0f} MiB | {res['peak_rss'] / 2**20:,.0f} MiB | {res['procs']} | {res['rc']} |")
+              f"{res['peak_pss'] / 2**20:,.0f} MiB | {res['peak_rss'] / 2**20:,.0f} MiB | {res['procs']} | {res['rc']} "
+              f"| {res['cpu_s']:,.0f} | {res['cpu_s'] / t['ranks']:.2f} | {res['parent_cpu_s']:,.0f} "
+              f"| {res['parent_rss'] / 2**20:,.0f} MiB |")
     for res in results:
         t = res["truth"]
         print(f"\n{t['ranks']} ranks, planted: straggler rank {t['straggler']['rank']} from step "
