@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from .errors import ClusterError
-from .parallel import RankResult, _held_pass, _one_rank, could_not_read
+from .parallel import RankResult, Shared, _held_pass, _one_rank, could_not_read
 from .trace import Trace, safety
 from .trace.shards import WholeParams
 
@@ -113,10 +113,11 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
     futures = {scheduler.submit(_one_rank, run_dir, [os.path.abspath(p) for p in files[r]], r, rank_pass,
                                 passed[r], key=f"torchautopsy-rank-{r}-{tag}", pure=False): r for r in ranks}
     results: dict[int, RankResult] = {}
+    share = Shared()
     try:
         for fut in as_completed(futures):
             r = futures.pop(fut)
-            results[r] = _result(fut, r, files[r], getattr(trace.ranks.get(r), "path", None))
+            results[r] = share(_result(fut, r, files[r], getattr(trace.ranks.get(r), "path", None)))
             fut.release()  # (its result is here now: the cluster need not keep it)
             if progress:
                 progress(len(results), len(ranks))

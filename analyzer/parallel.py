@@ -11,11 +11,14 @@ whole-parameter figures combine every rank's shards (trace/shards.py)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
 
 from .cross_rank.digest import RankDigest
 from .errors import TraceError
@@ -45,9 +48,10 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
     n = min(workers, len(ranks))
     sharded = any(isinstance(rt, WholeParams) for rt in trace.ranks.values())
     results: dict[int, RankResult] = {}
+    share = Shared()
     if n <= 1 or len(ranks) < 2 or sharded:
         for done, r in enumerate(ranks):
-            results[r] = _held_pass(trace, r, rank_pass)
+            results[r] = share(_held_pass(trace, r, rank_pass))
             if progress:
                 progress(done + 1, len(ranks))
         return results
@@ -58,7 +62,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
         with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass, passed[r]): r for r in ranks}
             for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()  # (a TraceError raised there is raised here: one line, exit 2)
+                results[futures[fut]] = share(fut.result())  # (a TraceError raised there is raised here: one line, exit 2)
                 if progress:
                     progress(len(results), len(ranks))
     except (OSError, NotImplementedError, BrokenProcessPool):
@@ -66,10 +70,38 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
         # (by the OOM killer): the ranks not yet read are read here, one at a time.
         for r in ranks:
             if r not in results:
-                results[r] = _held_pass(trace, r, rank_pass)
+                results[r] = share(_held_pass(trace, r, rank_pass))
                 if progress:
                     progress(len(results), len(ranks))
     return dict(sorted(results.items()))
+
+
+class Shared:
+    """Holds each per-step array of the ranks' digests once when ranks send equal ones: under DDP
+    every rank has the same step numbers, the same all-reduced gradient norms, the same parameter
+    names, often the same times (1,024 ranks x 10,000 steps: ~80 MB a series held once, not 1,024
+    times). Applied to each result as it arrives, so the parent never holds the copies; the shared
+    arrays are made read-only (a consumer that wrote into one would change every rank's)."""
+
+    FIELDS = ("steps", "time_unix", "grad_norm", "local_grad", "fp_steps", "param_names")
+
+    def __init__(self):
+        self.seen: dict[tuple, object] = {}
+
+    def __call__(self, result: RankResult) -> RankResult:
+        digest = result[1]
+        if digest is not None:
+            for name in self.FIELDS:
+                value = getattr(digest, name)
+                if isinstance(value, np.ndarray):
+                    key = (name, value.dtype.str, value.shape, hashlib.blake2b(value.tobytes(), digest_size=16).digest())
+                else:
+                    key = (name, tuple(value))
+                kept = self.seen.setdefault(key, value)
+                if isinstance(kept, np.ndarray):
+                    kept.flags.writeable = False
+                setattr(digest, name, kept)
+        return result
 
 
 def could_not_read(rank: int | None, file: str, why: str) -> Finding:
