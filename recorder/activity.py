@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .functional import call_arg
+from .probe import Probe, StepPlan
 from .stats import Packer
 
 _UNIT_FUNCS = {"relu", "relu6", "leaky_relu", "gelu", "hardtanh"}
@@ -50,7 +51,7 @@ class _Site:
     steps_seen: int = 0
 
 
-class ActivityTracker:
+class ActivityTracker(Probe):
     def __init__(self, watcher, window: int):
         self.watcher = watcher
         self.window = window
@@ -69,6 +70,35 @@ class ActivityTracker:
         self._tops: list[tuple[_Site, torch.Tensor]] = []
         self._window_bits: torch.Tensor | None = None
         self._index: tuple[tuple, torch.Tensor] | None = None  # (sites called, their bit positions)
+        self._ending = False  # the step being recorded ends a window (pack, rows)
+
+    # -- the probe protocol (probe.py) --------------------------------------------------------
+    def arm(self, plan: StepPlan) -> None:
+        self.step = plan.step
+
+    def pack(self, pk: Packer, plan: StepPlan) -> None:
+        """The step's calls folded into the window's bits; at a window's end, its bits and
+        counts in the step's one transfer. (Recorded steps only: a plain step never ends a window,
+        nor is watched.)"""
+        if plan.watched:  # (the window's sites are seen on watched steps only)
+            self.steps_watched += 1
+        self.accumulate()
+        self._ending = self.window_ends(plan.step)
+        if self._ending:
+            self._pack_window(pk)
+
+    def rows(self, plan: StepPlan, host: dict) -> dict:
+        rows = {"activity": self.finish_window(plan.step, host)} if self._ending else {}
+        self._ending = False
+        rows["activity_sites"] = self.take_new_sites()
+        return rows
+
+    def align(self, step: int) -> None:
+        """Windows count from ``step``; sites seen in this first forward were first seen there."""
+        self._window_start = self.step = step
+        self.last_step = self._last_step()
+        for site in self._new_sites:
+            site["first_step"] = max(site["first_step"], step)
 
     # -- called by the wrapped functions, inside forward -------------------------------------
     def on_activation(self, fn: str, args, kwargs, out) -> None:
@@ -180,7 +210,7 @@ class ActivityTracker:
             self._window_bits = bits = grown
         bits.scatter_reduce_(0, self._index[1], alive, "amax")
 
-    def pack(self, pk: Packer) -> None:
+    def _pack_window(self, pk: Packer) -> None:
         """Add the window's bits and counts to this step's one host transfer."""
         self.accumulate()
         if self._window_bits is not None:
@@ -223,7 +253,7 @@ class ActivityTracker:
             return None
         pk = Packer()
         with torch.no_grad():
-            self.pack(pk)
+            self._pack_window(pk)
             host = pk.fetch()
         return {"activity": self.finish_window(step, host), "activity_sites": self.take_new_sites()}
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from .attention import head_similarity_groups, head_stats_groups, mha_probs, sdpa_probs
 from .functional import call_arg, compiling
+from .probe import Probe, StepPlan
 from .stats import Packer
 
 # Probability elements held for the step's one reduction (64 MB of float32): past it, the calls
@@ -36,7 +37,7 @@ class _Site:
         self.keys = 0
 
 
-class AttentionTracker:
+class AttentionTracker(Probe):
     def __init__(self, watcher, on_error):
         self.watcher = watcher
         self.on_error = on_error
@@ -69,6 +70,23 @@ class AttentionTracker:
             h.remove()
         self._handles = []
         self._pending = {}
+
+    # -- the probe protocol (probe.py) --------------------------------------------------------
+    def arm(self, plan: StepPlan) -> None:
+        self.sampled = plan.activations
+        self.step = plan.step
+
+    def rows(self, plan: StepPlan, host: dict) -> dict:
+        attn = self.finish_step(plan.step, host)
+        return {**({"attention": attn} if attn is not None else {}), "attention_sites": self.take_new_sites()}
+
+    def align(self, step: int) -> None:
+        self.step = step
+        for site in self._new_sites:  # seen in this first forward
+            site["first_step"] = max(site["first_step"], step)
+
+    def close(self) -> None:
+        self.remove()
 
     def _make_mha_hook(self):
         def pre_hook(module, args, kwargs):
@@ -206,7 +224,7 @@ class AttentionTracker:
         self._calls, self._held = [], 0
 
     # -- at rec.step() -----------------------------------------------------------------------
-    def pack(self, pk: Packer) -> None:
+    def pack(self, pk: Packer, plan: StepPlan | None = None) -> None:
         self._reduce()
         if self._stats:
             pk.add("attn_stats", torch.cat(self._stats) if len(self._stats) > 1 else self._stats[0])

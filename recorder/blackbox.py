@@ -66,7 +66,7 @@ class BlackBox:
         # no random op) replays the same from any state. So they are read on every step until
         # RNG_STEADY_STEPS watched steps have shown that a step leaves them as they were, and
         # then on watched steps only, which keep checking: one step seen drawing (dropout
-        # switched on later, say) brings the reads back for good. The recorder sets take_rng.
+        # switched on later, say) brings the reads back for good. Set by arm().
         self.take_rng = True
         self.rng_free = False
         self._rng_steady = 0
@@ -135,6 +135,11 @@ class BlackBox:
                 self.inputs.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
                                     {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
         return None
+
+    def arm(self, watched: bool) -> None:
+        """Watched steps read the RNG states and check them; others read them until the job is
+        seen not to draw (see take_rng)."""
+        self.take_rng = watched or not self.rng_free
 
     def check_rng(self) -> None:
         """At the end of a step whose RNG states were read at its first forward (a watched

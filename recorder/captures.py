@@ -8,10 +8,11 @@ import math
 import warnings
 
 from .blackbox import BlackBox
+from .probe import Probe, StepPlan
 from .tensors import Samples, Snapshots
 
 
-class Captures:
+class Captures(Probe):
     def __init__(self, model, watcher, cfg, writer, on_error):
         self.writer = writer
         self.snapshots = Snapshots(model, cfg.snapshot_every, cfg.snapshot_budget_bytes, cfg.snapshot_dtype) \
@@ -21,9 +22,39 @@ class Captures:
         if cfg.sample_every:
             self.samples = Samples(cfg.sample_every, cfg.sample_rows, cfg.sample_max_elements,
                                    cfg.sample_budget_bytes, on_error)
-            watcher.samples = self.samples
-            watcher.sample_modules = sample_sites(watcher, cfg.sample_modules)
+            watcher.sample_outputs(self.samples, sample_sites(watcher, cfg.sample_modules))
         self.blackbox = BlackBox(model, on_error) if cfg.blackbox else None
+
+    # -- the probe protocol (probe.py) --------------------------------------------------------
+    def arm(self, plan: StepPlan) -> None:
+        if self.blackbox is not None:
+            self.blackbox.arm(plan.watched)
+
+    def close(self) -> None:
+        self.remove()
+
+    def opening_snapshot(self, step: int, known: bool):
+        """The parameters the attempt starts from, as step ``step``. Written now if the step is
+        ``known``; else returned as a writer task to hand over once it is (resume.py), or None."""
+        if self.snapshots is None:
+            return None
+        if not known:
+            self.last_snapshot = step
+            return self.snapshots.take(step)
+        if self.snapshots.due(step) or step:  # every attempt keeps the state it started from
+            self.snapshot(step)
+        return None
+
+    def resumed_at(self, step: int, held: bool) -> None:
+        """A checkpoint was loaded: the opening snapshot again, as step ``step``, in the slot of
+        the one ``held`` back (never written)."""
+        if self.snapshots is None:
+            return
+        if held:
+            self.snapshots.forget_unwritten()
+        # The parameters at the start of step s, now that a checkpoint has been loaded (the
+        # buffers after this step's forward: BatchNorm statistics moved by one batch).
+        self.snapshot(step)
 
     @property
     def armed(self) -> bool:

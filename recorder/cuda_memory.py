@@ -206,6 +206,13 @@ class CudaMemoryRecorder:
         if history:
             self._start_history(max_entries)
 
+    def oom_slot(self) -> bool:
+        """Whether an out-of-memory snapshot may still be taken (MAX_OOM_SNAPSHOTS), counted if so."""
+        if self.n_oom_snapshots >= self.MAX_OOM_SNAPSHOTS:
+            return False
+        self.n_oom_snapshots += 1
+        return True
+
     @staticmethod
     def available(device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available() and hasattr(torch.cuda.memory, "_snapshot")

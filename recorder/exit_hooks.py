@@ -12,10 +12,12 @@ import threading
 
 
 class ExitHooks:
-    def __init__(self, rec):
-        self._rec = rec
+    def __init__(self, close, on_error_leaving, handle_sigterm: bool):
+        """``close(reason=...)`` closes the trace; ``on_error_leaving(exc, tb)`` records what
+        an error ending the job says (out of memory: what held it)."""
+        self._close, self._on_error_leaving = close, on_error_leaving
         self._prev_sigterm = None
-        if rec.config.handle_sigterm and threading.current_thread() is threading.main_thread():
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
             try:
                 self._prev_sigterm = signal.getsignal(signal.SIGTERM)
                 signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -24,7 +26,7 @@ class ExitHooks:
         atexit.register(self._atexit)
 
     def _on_sigterm(self, signum, frame) -> None:
-        self._rec.close(reason="sigterm")
+        self._close(reason="sigterm")
         prev = signal.SIG_DFL if self._prev_sigterm is None else self._prev_sigterm
         if callable(prev):
             prev(signum, frame)
@@ -39,8 +41,8 @@ class ExitHooks:
         interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
         exc = None if interactive else (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
         if exc is not None:
-            self._rec._on_error_leaving(exc, exc.__traceback__)
-        self._rec.close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
+            self._on_error_leaving(exc, exc.__traceback__)
+        self._close(reason="exit" if exc is None else f"exception: {type(exc).__name__}: {exc}"[:1000])
 
     def remove(self) -> None:
         """The previous SIGTERM handler back (if ours is still the one set), and no atexit call."""

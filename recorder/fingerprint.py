@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .probe import Probe, StepPlan
 from .sharding import local
 
 _AS_INT = {4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.int8}
@@ -46,3 +47,23 @@ def pieces_to_int64(host: np.ndarray) -> np.ndarray:
     """The int64 fingerprints from the host's pieces (low, middle, high; the high piece signed)."""
     p = np.asarray(host, dtype=np.float64).reshape(-1, 3).astype(np.int64)
     return p[:, 0] + (p[:, 1] << _PIECE) + (p[:, 2] << (2 * _PIECE))
+
+
+class Fingerprints(Probe):
+    """The probe: every ``every`` steps (0: never), the parameters' fingerprints."""
+
+    def __init__(self, params: list, every: int):
+        self._params = params
+        self.every = every
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def pack(self, pk, plan: StepPlan) -> None:
+        if self.due(plan.step) and self._params:
+            pk.add("fingerprint", device_fingerprints(self._params))
+
+    def rows(self, plan: StepPlan, host: dict) -> dict:
+        if "fingerprint" not in host:
+            return {}
+        return {"fingerprints": {"step": plan.step, "bits": pieces_to_int64(host["fingerprint"])}}

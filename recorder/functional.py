@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +66,20 @@ def eager(fn):
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return fn if disable is None else disable(fn)
 
+
+@dataclass(eq=False)
+class Observer:
+    """What a recorder is shown: four callables (not the Recorder: it can be tested alone)."""
+
+    on_activation: Callable  # (name, args, kwargs, out), on watched steps
+    on_attention: Callable  # (name, args, kwargs, out), on watched steps
+    on_data_wait: Callable  # (seconds in DataLoader.__next__)
+    on_observer_error: Callable  # (the exception one of the above raised)
+
+
 _state = threading.local()
 _lock = threading.Lock()
-# Objects with on_activation(name, args, kwargs, out), on_attention(...), on_data_wait(seconds)
-# and on_observer_error(e).
-_observers: list = []
+_observers: list[Observer] = []
 _originals: dict[tuple[int, str], object] = {}
 # ids of the observers that watch the coming step (watching()). Calls are observed only on such
 # steps; on the others (most of them) a wrapper goes straight to the original function.

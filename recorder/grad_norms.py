@@ -14,6 +14,7 @@ import weakref
 import numpy as np
 import torch
 
+from .probe import Probe, StepPlan
 from .stats import Packer, l2_norm_values, max_and_absmax, takes_dots
 from .watch_batch import fused_here
 
@@ -23,8 +24,8 @@ _VERSION = operator.attrgetter("_version")
 _PARAMS = operator.itemgetter("params")
 
 
-class GradientNorms:
-    def __init__(self, params: list, param_index: dict[int, int], grad_of):
+class GradientNorms(Probe):
+    def __init__(self, params: list, param_index: dict[int, int], grad_of, fused: bool | None = None):
         self._params = params
         self._grad_of = grad_of  # a parameter's gradient (its local shard under FSDP2: sharding.py)
         self._param_index = param_index  # id(parameter) -> its index
@@ -36,12 +37,17 @@ class GradientNorms:
         self._opt_params: dict[int, tuple] = {}
         self._handled_at: dict[int, tuple] = {}  # id(optimizer) -> (step, its entry in entries)
         self.saw_optimizer = False  # an optimizer step of the model's parameters was seen
-        self.fused_option: bool | None = None  # (RecorderConfig.fused_reductions: one transfer, as on a GPU)
+        self.fused_option = fused  # (RecorderConfig.fused_reductions: one transfer, as on a GPU)
         # Whether this step's optimizer steps used the very gradient tensors their previous steps
         # used (1), never set to None in between: a loop without zero_grad() (or one that zeroes
         # them in place); 0: new ones; -1: no optimizer step judged. One weakref per optimizer.
         self.kept = -1
         self._last_grad: dict[int, weakref.ref] = {}  # id(optimizer) -> its first gradient, last step
+
+    def arm(self, plan: StepPlan) -> None:
+        """The coming step's optimizer steps are judged afresh."""
+        self.entries = []
+        self.kept = -1
 
     def judge(self, optimizer, step: int) -> list[int] | None:
         """Take the norms of the gradients of ``optimizer``'s parameters of the model (one host

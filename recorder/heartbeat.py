@@ -27,20 +27,21 @@ MAX_FRAMES = 40  # innermost frames kept of a stack sample
 _EMA = 0.2  # weight of the newest interval in the typical step time
 
 
-def phase_of(rec) -> tuple[str, float | None]:
-    """(phase, when it began on the perf_counter clock, or None) of the training thread now."""
-    if rec._in_step_since is not None:
-        return "recorder", rec._in_step_since
+def phase_of(in_step_since: float | None, clock) -> tuple[str, float | None]:
+    """(phase, when it began on the perf_counter clock, or None) of the training thread now:
+    ``in_step_since`` when rec.step() is running, else what the step's clock (step_clock.py)
+    and the DataLoader's timing (functional.py) saw."""
+    if in_step_since is not None:
+        return "recorder", in_step_since
     since = functional.loader_since()
     if since is not None:
         return "data", since
-    w = rec.watcher
-    start, end = (w.t_forward_start, w.t_forward_end) if w is not None else (None, None)
+    start, end = clock.t_forward_start, clock.t_forward_end
     if start is not None and end is None:
         return "forward", start
     if end is not None:
         return "backward", end
-    return "between_steps", rec.clock.t_step_end
+    return "between_steps", clock.t_step_end
 
 
 def stack_of(thread_id: int) -> str:
@@ -53,8 +54,13 @@ def stack_of(thread_id: int) -> str:
 
 
 class Heartbeat:
-    def __init__(self, rec, every_s: float, stall_factor: float):
-        self._rec = rec
+    def __init__(self, *, step_now, active, phase, step_began, put_task, every_s: float, stall_factor: float):
+        """Callables, read from the heartbeat's thread: ``step_now()`` the step in progress,
+        ``active()`` whether the recorder still records, ``phase()`` phase_of's (phase, since),
+        ``step_began()`` when the step in progress began (perf_counter, or None), and
+        ``put_task`` the writer's."""
+        self._step_now, self._active, self._phase = step_now, active, phase
+        self._step_began, self._put_task = step_began, put_task
         self.every_s = every_s
         self.stall_factor = stall_factor
         self._thread_id = threading.get_ident()  # the training thread: the one that made the Recorder
@@ -71,25 +77,24 @@ class Heartbeat:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        rec = self._rec
-        seen_step, seen_at, seen_end = rec._step, time.perf_counter(), None
+        seen_step, seen_at, seen_end = self._step_now(), time.perf_counter(), None
         typical = None  # seconds per step, between the ends of steps seen by the heartbeat
         last_stack = None
         while not self._stop.wait(self.every_s):
             try:
                 now = time.perf_counter()
-                step = rec._step
+                step = self._step_now()
                 if step != seen_step:
-                    end = rec.clock.t_step_end
+                    end = self._step_began()
                     if seen_end is not None and end is not None and end > seen_end:
                         per_step = (end - seen_end) / max(1, step - seen_step)
                         typical = per_step if typical is None else (1 - _EMA) * typical + _EMA * per_step
                     seen_step, seen_at, seen_end, last_stack = step, now, end, None
                     continue
-                if not rec._active:
+                if not self._active():
                     return
-                phase, since = phase_of(rec)
-                step_began = rec.clock.t_step_end
+                phase, since = self._phase()
+                step_began = self._step_began()
                 step_s = now - step_began if step_began is not None else now - seen_at
                 if step_s < max(self.every_s, 2 * typical if typical else 0.0):
                     continue  # (a slow step, not yet overdue: steps longer than a heartbeat write nothing)
@@ -102,6 +107,6 @@ class Heartbeat:
                 row = {"time_unix": time.time(), "step": step, "phase": phase,
                        "phase_s": now - since if since is not None else float("nan"),
                        "step_s": step_s, "typical_step_s": typical if typical else float("nan"), "stack": stack}
-                rec.writer.put_task(lambda _w, row=row: {"heartbeats": row})
+                self._put_task(lambda _w, row=row: {"heartbeats": row})
             except Exception:  # (the heartbeat never disturbs the job; the trace just lacks its rows)
                 return

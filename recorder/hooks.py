@@ -3,9 +3,10 @@
 Every module is hooked only on the steps the recorder watches (every ``activations_every``-th,
 and the histogram, sample and attention steps): a hooked module costs ~10 us of Python per call
 and a reduction over its output, too much for every step of a small model. On the other steps
-only the root module is hooked (for the step's timing). A NaN/Inf born on an unwatched step is
-still seen on its step, in the loss and gradient norms, and its module is then found by running
-the step again on a copy of the model with every module hooked (replay.py), with this same class.
+only the root module is hooked (root_hooks.py: the step's timing, mode and batch). A NaN/Inf
+born on an unwatched step is still seen on its step, in the loss and gradient norms, and its
+module is then found by running the step again on a copy of the model with every module hooked
+(replay.py), with this same class.
 
 The finite check of a tensor is its max and max |x|: NaN if any element is NaN, infinite if any
 is. A module *produced* a NaN/Inf (rather than passing one on) when its output is non-finite
@@ -28,8 +29,6 @@ tests/recorder/test_compile.py). A submodule compiled on its own is noticed the 
 
 from __future__ import annotations
 
-import math
-import time
 import weakref
 
 import numpy as np
@@ -39,19 +38,21 @@ from torch import nn
 from .call_sites import CallSites
 from .functional import compiling, eager
 from .histograms import histogram
-from .input_stats import InputStats
-from .loss_graph import mark_outputs
+from .nan_origin import born_where
+from .probe import Probe, StepPlan
 from .profiler import own_work
 from .stats import Packer, combine_stats, floating_tensors
 from .watch_batch import Measurements
 
 
-_BATCH = -2  # (finish_step: the -Inf came with the input batch)
 MAX_SITE_CALLS = 16  # activation or attention sites of one module (next_call)
 
 
-class ModuleWatcher:
-    def __init__(self, model: nn.Module, on_error):
+class ModuleWatcher(Probe):
+    """The per-module probe of watched steps. The root's hooks of every step (the forward's time,
+    the model's mode, the batch) are root_hooks.py's."""
+
+    def __init__(self, model: nn.Module, on_error, fused: bool | None = None, check_no_grad: bool = False):
         self.names = [name for name, _ in model.named_modules()]
         self.types = [type(m).__name__ for _, m in model.named_modules()]
         self.is_leaf = [len(list(m.children())) == 0 for _, m in model.named_modules()]
@@ -67,15 +68,11 @@ class ModuleWatcher:
         self.stack: list[list] = []
         self._handles = []  # the per-module hooks, while watching
         self.watching = False
-        # The root's forward ran as torch.compile'd code (set by _timing_pre_hook): hooks seen
-        # by Dynamo no longer come and go (watch).
+        # A module's forward ran as torch.compile'd code (set by its pre-hook as Dynamo traced
+        # it): hooks seen by Dynamo no longer come and go (watch).
         self.compiled = False
         # Also check forward passes under no_grad (the replay of a step runs under no_grad).
-        self.check_no_grad = False
-        # The step's timing needs only the root module, hooked on every step.
-        self.inputs = InputStats()  # the batch's statistics, every training forward (input_stats.py)
-        self._timing_handles = [self.modules[0].register_forward_pre_hook(eager(self._timing_pre_hook), with_kwargs=True),
-                                self.modules[0].register_forward_hook(eager(self._timing_hook))]
+        self.check_no_grad = check_no_grad
         self.sample_activations = False
         # Histograms of these modules' outputs (module index -> row) on histogram steps, and
         # whole outputs of a few modules (module index -> name) handed to `samples` on sample steps.
@@ -87,19 +84,11 @@ class ModuleWatcher:
         self._hist_keys: list[int] = []
         self._shape_seen = [False] * len(self.names)
         self._new_shapes: list[dict] = []
-        self.t_forward_start: float | None = None
-        self.t_forward_end: float | None = None
-        # The model's mode at its forward passes since the last rec.step(): bit 1 a pass with
-        # gradients in train mode, bit 2 one in eval mode; and passes without gradients in train
-        # mode (an evaluation that forgot model.eval()). Read by step_rows.py, then reset.
-        self.mode_bits = 0
-        self.nograd_train_forwards = 0
-        self.out_refs: list = []  # weak references to the step's last training forward's outputs
         # Forward passes with no rec.step() after them (a long evaluation loop) must not grow
         # memory without bound: past this many calls in one step, calls go unchecked.
         self.max_calls = 64 * len(self.names) + 1024
         self._unmeasured = np.zeros(0, dtype=np.float32)  # the row of a step not watched: -1s
-        self.meas = Measurements()  # fused_option: set by the Recorder (fused_reductions)
+        self.meas = Measurements(fused)  # (fused: RecorderConfig.fused_reductions)
         # Fused steps (watch_batch.py): modules seen writing into their inputs (and those that
         # say inplace=True), measured before they run; modules whose outputs are written in place
         # after they return, measured as they return.
@@ -107,6 +96,30 @@ class ModuleWatcher:
         self.writes_input = {i for i, m in enumerate(self.modules) if getattr(m, "inplace", False) is True}
         self.written_after: set[int] = set()
         self._reset()
+
+    def histogram_modules(self, modules: list[int]) -> None:
+        """Histogram these modules' outputs on histogram steps (histograms.histogram_tensors)."""
+        self.hist_modules = {m: k for k, m in enumerate(modules)}
+
+    def sample_outputs(self, samples, modules: dict[int, str]) -> None:
+        """Hand these modules' outputs to ``samples`` on sample steps (captures.py)."""
+        self.samples, self.sample_modules = samples, modules
+
+    # -- the probe protocol (probe.py) --------------------------------------------------------
+    def arm(self, plan: StepPlan) -> None:
+        self.sample_activations = plan.activations
+        self.sample_histograms = plan.histograms
+        self.sample_tensors = plan.tensors
+        if plan.watched or self.watching:  # (from one plain step to the next nothing changes)
+            self.watch(plan.watched)
+
+    def rows(self, plan: StepPlan, host: dict) -> dict:
+        """The output shapes and call sites first seen this step (finish_step makes the step's
+        per-module rows: the origin of a NaN needs them before they are rows)."""
+        return {"module_outputs": self.take_new_shapes(), "call_sites": self.call_sites.take_new_sites()}
+
+    def close(self) -> None:
+        self.remove()
 
     @staticmethod
     def next_call(frame: list, slot: int) -> int:
@@ -124,7 +137,7 @@ class ModuleWatcher:
         return self.stack[-1]
 
     def watch(self, on: bool) -> None:
-        """Hook every module (a watched step), or only the root's timing (other steps)."""
+        """Hook every module (a watched step), or none (other steps: root_hooks.py's only)."""
         # Once the model's forward has run compiled, the hooks stay as they were when it was
         # compiled: Dynamo guards on their number, and adding or removing them would compile it
         # again (see the module's docstring). Those left in place check `watching`.
@@ -146,32 +159,6 @@ class ModuleWatcher:
             for h in self._handles:
                 h.remove()
             self._handles = []
-
-    def _timing_pre_hook(self, module, args, kwargs):
-        if self.t_forward_start is None:
-            self.t_forward_start = time.perf_counter()
-        if torch.is_grad_enabled():  # a training forward: its batch's statistics
-            try:
-                with own_work():
-                    self.inputs.on_forward(args, kwargs)
-            except Exception as e:  # never into the training's forward
-                self._on_error(e)
-        return None
-
-    def _timing_hook(self, module, args, output):
-        self.t_forward_end = time.perf_counter()
-        grad = torch.is_grad_enabled()
-        if grad:
-            self.mode_bits |= 1 if module.training else 2
-        elif module.training:
-            self.nograd_train_forwards += 1
-        if grad:  # a training forward: its outputs, for a loss gone NaN (loss_graph.py)
-            try:
-                with own_work():
-                    self.out_refs = mark_outputs(output)
-            except Exception as e:  # never into the training's forward
-                self.out_refs = []
-                self._on_error(e)
 
     def producer(self, x) -> int:
         """Index of the module whose forward returned tensor x this step, or -1."""
@@ -204,9 +191,6 @@ class ModuleWatcher:
     def remove(self) -> None:
         self._hook_modules(False)
         self.watching = False
-        for h in self._timing_handles:
-            h.remove()
-        self._timing_handles = []
         self._reset()
 
     def _make_pre_hook(self, index: int):
@@ -309,7 +293,7 @@ class ModuleWatcher:
         except Exception as e:  # never raise into the backward pass
             self._on_error(e)
 
-    def pack(self, packer: Packer) -> None:
+    def pack(self, packer: Packer, plan: StepPlan | None = None) -> None:
         if self.meas.empty:  # nothing checked: a step that was not watched
             return
         with torch.no_grad():
@@ -359,58 +343,10 @@ class ModuleWatcher:
         if any(self.meas.stale):  # written in place before measured: not known (-1)
             stale = np.array(self.meas.stale, dtype=bool)
             bad, neg_inf, absmax = bad & ~stale, neg_inf & ~stale, np.where(stale, -1.0, absmax)
-        out_absmax = [-1.0] * n_modules  # -1: not called this step
-        origin, consumer, first_bad, batch_bad = -1, -1, -1, False
-        first_neg = last_neg = -1  # the first and the latest module that made a -Inf from finite inputs
-        # Plain Python over the calls: a few values each, where numpy's per-call cost dominates.
-        amax, bad_l, neg_l = absmax.tolist(), bad.tolist(), neg_inf.tolist()
         faults = bool(bad.any() or neg_inf.any())
-        made_neg: dict[int, int] = {}  # tensor (pair index) holding -Inf -> the module that made it
-        neg_makers: list[int] = []  # the modules that made a -Inf from finite inputs, in order
-        if faults:  # (the root's call completes last: its inputs, the batch, are seen first here)
-            for module, ins, _ in self._calls:
-                if module == 0:
-                    made_neg.update((i, _BATCH) for i in ins if neg_l[i])
-        for module, ins, outs in self._calls:
-            vals = [amax[o] for o in outs]
-            a = math.nan if any(v != v for v in vals) else max(vals)  # v != v: NaN
-            prev = out_absmax[module]
-            out_absmax[module] = a if prev < 0 else (math.nan if prev != prev or a != a else max(a, prev))
-            if not faults:
-                continue
-            in_bad = any(bad_l[i] for i in ins)
-            in_neg = [i for i in ins if neg_l[i]]
-            if module == 0 and in_bad:
-                batch_bad = True
-            if any(bad_l[o] for o in outs):
-                if first_bad < 0:
-                    first_bad = module
-                if origin < 0 and not in_bad:
-                    if not in_neg:
-                        origin = module  # born here, from finite inputs ...
-                        inner = [m for m in neg_makers if self._inside(m, module)]
-                        if inner:  # ... unless a -Inf a submodule made went into it (cat, arithmetic)
-                            origin, consumer = inner[-1], module
-                    else:  # a -Inf made a fault here: the module that made it is the origin
-                        # (that tensor's maker; else, after ops outside the modules, the last
-                        # module that made a -Inf from finite inputs)
-                        origin, consumer = made_neg.get(in_neg[0], last_neg if last_neg >= 0 else module), module
-            elif not in_bad and not in_neg and any(neg_l[o] for o in outs):
-                for o in outs:
-                    if neg_l[o]:
-                        made_neg.setdefault(o, module)
-                if first_neg < 0:
-                    first_neg = module
-                last_neg = module
-                neg_makers.append(module)
-        # Should the step's loss be NaN/Inf with no module output NaN/+Inf, a -Inf went into it
-        # outside the modules (a sum, the loss function): its maker, or the batch, is the origin
-        # (the recorder decides at rec.step(), where the loss is known: neg_origin).
-        neg_origin = -1
-        if first_bad < 0:
-            neg_origin = first_neg if first_neg >= 0 else (_BATCH if _BATCH in made_neg.values() else -1)
-        if origin == _BATCH:  # a -Inf of the input batch made the fault
-            origin, batch_bad = -1, True
+        amax = absmax.tolist()
+        out_absmax, origin, consumer, neg_origin, batch_bad = born_where(
+            self._calls, amax, bad.tolist(), neg_inf.tolist(), faults, n_modules, self._inside)
         out_absmax = np.array(out_absmax)
         # (per-call statistics only where no call's rows were dropped as stale: their order holds)
         per_call = self.call_sites.finish(step, self._calls, amax,
@@ -418,7 +354,7 @@ class ModuleWatcher:
                                           np.array(self.meas.numel), acts)
         row = {
             "output_absmax": out_absmax.astype(np.float32),
-            "origin": origin if origin >= 0 else first_bad,
+            "origin": origin,
             "consumer": consumer,
             "neg_origin": neg_origin,
             # 1: the gradient reaching the model's outputs held NaN/Inf; 0: finite; -1: no backward seen

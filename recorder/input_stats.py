@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from .probe import Probe, StepPlan
 from .watch_batch import fused_here, stats_part
 
 CPU_ELEMENTS, GPU_ELEMENTS = 1 << 16, 1 << 21
@@ -60,14 +61,17 @@ def batch_tensor(args, kwargs):
     return None
 
 
-class InputStats:
-    def __init__(self):
+class InputStats(Probe):
+    def __init__(self, fused: bool | None = None):
         self.pending: list[torch.Tensor] = []  # one vector per training forward of this step
         self.watched = False  # this step takes the watched step's extra numbers
         self._shapes: list[tuple[int, int, int]] = []  # per vector: (its length, elements, features)
         self._taken: list[tuple[int, int, int]] = []
         self._last: torch.Tensor | None = None  # the watched step's last batch part, until combine()
-        self.fused_option: bool | None = None  # (RecorderConfig.fused_reductions: the GPU's ops, anywhere)
+        self.fused_option = fused  # (RecorderConfig.fused_reductions: the GPU's ops, anywhere)
+
+    def arm(self, plan: StepPlan) -> None:
+        self.watched = plan.watched  # (the batch's zero share and constant features too)
 
     def on_forward(self, args, kwargs) -> None:
         x = batch_tensor(args, kwargs)
@@ -115,6 +119,11 @@ class InputStats:
 
     def put_back(self, pending: list[torch.Tensor]) -> None:
         self.pending, self._shapes, self._taken = pending, self._taken, []
+
+    def pack(self, pk, plan: StepPlan) -> None:
+        inputs = self.take()
+        if inputs:
+            pk.add("inputs", torch.cat(inputs))
 
     def combine(self, values) -> tuple:
         """The step's row (INPUT_COLUMNS) from the host values of take()'s vectors: the min of

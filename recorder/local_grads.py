@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from .probe import Probe
+
 OFF_REASONS = ("no DDP or FSDP2 module", "the job's own DDP communication hook", "DDP join with "
                "divide_by_initial_world_size=False", "registration failed")
 
@@ -72,7 +74,7 @@ class _MeasuredReduceScatter:
         return getattr(self._inner, name)
 
 
-class LocalGradients:
+class LocalGradients(Probe):
     def __init__(self, model):
         self.ddp = find_ddp(model)
         self._model = model if self.ddp is None and fsdp_param_groups(model) else None
@@ -137,6 +139,18 @@ class LocalGradients:
         """This step's bucket norms (and a fresh list for the next step)."""
         p, self.pending = self.pending, []
         return p
+
+    def put_back(self, pending: list[torch.Tensor]) -> None:
+        """Norms taken for a plain step that turned out bad: measured with the full step."""
+        self.pending = pending
+
+    def pack(self, pk, plan) -> None:
+        local = self.take()
+        if local:
+            pk.add("local_grad", local)
+
+    def close(self) -> None:
+        self.stop()
 
 
 def combine(values) -> float:

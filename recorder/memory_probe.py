@@ -18,6 +18,7 @@ import torch
 
 from .cuda_memory import CudaMemoryRecorder, raise_site, requested_bytes
 from .memory import cuda_bytes, rss_bytes, tensor_census
+from .probe import Probe
 
 # Resident memory is read again at a step once this long has passed since the last reading;
 # faster steps repeat it. A reading is a system call on /proc: ~25 us right after a training
@@ -27,7 +28,7 @@ _NO_CUDA = (-1, -1, -1)  # (allocated, reserved, peak) bytes of a step not on CU
 _NO_CENSUS = (-1, -1, -1, [])  # a step without a census: (tensors, bytes, with graph, groups)
 
 
-class MemoryProbe:
+class MemoryProbe(Probe):
     def __init__(self, config, planner, on_fail):
         self.config = config
         self.planner = planner  # (the census's budget is against the median plain step)
@@ -59,6 +60,9 @@ class MemoryProbe:
             except Exception as e:
                 self.cuda_off(e)
         self._attach_gc()
+
+    def close(self) -> None:
+        self.detach()
 
     def detach(self) -> None:
         if self._gc_callback is not None and self._gc_callback in gc.callbacks:
@@ -149,9 +153,8 @@ class MemoryProbe:
         """A snapshot for an out-of-memory event (at most MAX_OOM_SNAPSHOTS in a run): its
         index, or -1."""
         cm = self.cuda
-        if cm is None or cm.n_oom_snapshots >= CudaMemoryRecorder.MAX_OOM_SNAPSHOTS:
+        if cm is None or not cm.oom_slot():
             return -1
-        cm.n_oom_snapshots += 1
         try:
             snapshot, task = cm.take(step, source)
             self.writer.put_task(task)

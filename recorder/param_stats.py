@@ -15,10 +15,11 @@ import torch
 from . import sharding
 from .grad_norms import GradientNorms, add_grad_absmax, exact_overflowed_norms
 from .histograms import N_BINS, histogram
+from .probe import Probe, StepPlan
 from .stats import Packer, l2_norms
 
 
-class ParamStats:
+class ParamStats(Probe):
     def __init__(self, params: list, grad_of, norms: GradientNorms, planner, hist_params: list[int]):
         self._params = params
         self._grad_of = grad_of
@@ -37,8 +38,9 @@ class ParamStats:
         self._prev_norm = None  # ||_prev_weights|| per tensor, when measured as they were taken
         self._s: tuple | None = None  # this step's state between pack and finish
 
-    def pack(self, pk: Packer, step: int, watched: bool, histograms: bool) -> None:
+    def pack(self, pk: Packer, plan: StepPlan) -> None:
         """The step's device-side reductions, into ``pk`` (call under torch.no_grad())."""
+        step, watched, histograms = plan.step, plan.watched, plan.histograms
         grads = list(map(self._grad_of, self._params))
         has = [i for i, g in enumerate(grads) if g is not None and not g.is_sparse]
         present = [grads[i] for i in has]
@@ -205,3 +207,6 @@ class ParamStats:
         """Drop the weight copies (at close)."""
         self._prev_weights = None
         self._w_buf = []
+
+    def close(self) -> None:
+        self.release()

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .functional import compiling
+from .probe import Probe, StepPlan
 from .profile_ops import op_table, window_events
 from .schema import OWN_WORK_RANGE
 
@@ -81,7 +82,7 @@ def _leave_queue(w: "ProfilerWindows") -> None:
     _queue[:] = [r for r in _queue if r() is not None and r() is not w]
 
 
-class ProfilerWindows:
+class ProfilerWindows(Probe):
     def __init__(self, first: int, steps: int, every: int, device: torch.device):
         self.first, self.steps, self.every = first, steps, every
         self.activities = [torch.profiler.ProfilerActivity.CPU]
@@ -99,6 +100,24 @@ class ProfilerWindows:
         self.lost = 0  # windows whose result the job's own torch.profiler took (see end())
         self._exported: list = []  # profilers whose window the writer has exported (see _release())
         self._quiet = _CppWarnings()
+
+    # -- the probe protocol (probe.py) --------------------------------------------------------
+    def arm(self, plan: StepPlan) -> None:
+        self.begin(plan.step)
+
+    def align(self, step: int) -> None:
+        """Windows start after this attempt's warm-up; a window opened (or due) at the first step
+        was labelled 0: it is the window of ``step``."""
+        self.first += step
+        if self._start_step >= 0:
+            self._start_step = max(self._start_step, step)
+        if self._window_due >= 0:
+            self._window_due = max(self._window_due, step)
+        if self._due >= 0:
+            self._due = max(self._due, step)
+
+    def close(self) -> None:
+        self.abort()
 
     def _starts_at(self, step: int) -> bool:
         return step == self.first or (step > self.first and (step - self.first) % self.every == 0)

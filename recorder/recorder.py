@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import functional, optimizer_hooks, resume, sharding
+from . import functional, resume, sharding
 from .activity import ActivityTracker
 from .attention_capture import AttentionTracker
 from .captures import Captures, check_sample_modules
@@ -20,30 +20,28 @@ from .config import RecorderConfig
 from .cuda_memory import is_out_of_memory
 from .exit_hooks import ExitHooks
 from .grad_norms import GradientNorms
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, phase_of
 from .histograms import N_BINS, histogram_tensors
 from .local_grads import LocalGradients
+from .fingerprint import Fingerprints
 from .hooks import ModuleWatcher
+from .input_stats import InputStats
 from .memory_probe import MemoryProbe
 from .nan_origin import NanOrigin
 from .param_stats import ParamStats
 from .planner import StepPlanner
+from .probe import Probe, StepPlan
 from .profiler import ProfilerWindows, own_work
+from .root_hooks import RootHooks, TrainMode
 from .schedule import OptimizerSchedule
 from .schema import table_layout
 from .step_clock import StepClock
 from .step_rows import StepRows
 from .trace_header import trace_header
+from .update_guard import UpdateGuard
 from .writer import TraceWriter
 
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
-
-
-def _rank_and_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
@@ -79,7 +77,7 @@ class Recorder:
         self.schedule = OptimizerSchedule({}, scaler)
         self._sched = (math.nan, math.nan, -1, None)  # this step's (lr, loss scale, optimizer steps, rows)
         self.run_dir = os.fspath(run_dir)
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size = sharding.rank_and_world()
         self.path = os.path.join(self.run_dir, f"rank{self.rank}.h5")
         other = _WRITING.get(os.path.abspath(self.path), lambda: None)()
         # (the second would pass for a restart of the first's rank): it warns, as any recorder
@@ -87,7 +85,12 @@ class Recorder:
         taken = other is not None and other._active
         if not taken:
             _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
-        self._step = resume.first_step(self)  # start_step=, or a resumed optimizer's count (resume.py)
+        start = self.config.start_step  # or, on a restart, a resumed optimizer's count (resume.py)
+        self._start = resume.StartStep(start, start is None and resume.restarted(self.run_dir, self.rank))
+        self._step = self._start.start
+        self._plan = StepPlan(self._step)  # what the coming step records (_arm)
+        self._probes: tuple = ()  # armed before each step, aligned on a resume, closed (probe.py)
+        self._armed: tuple = ()  # those of them that arm
         self._active = False
         self._closed = False
         self._failed_once = False
@@ -98,14 +101,18 @@ class Recorder:
         self.attention = None
         self.profiler = None
         self.clock = StepClock()  # where each step's time went
+        self.train_mode = TrainMode()  # the model's mode at its forward passes
+        self.root_hooks = None  # the root module's hooks of every step (root_hooks.py)
         self.captures = None  # snapshots, sampled tensors, the black box (captures.py)
-        self._opt_hook = None
+        self._guard = None  # the gradients judged before each optimizer step (update_guard.py)
         self.rows = None  # each step's work over the probes (step_rows.py)
         self.heartbeat = None  # what the training thread does when steps stop coming (heartbeat.py)
         self._in_step_since: float | None = None  # (the heartbeat's "recorder" phase)
         # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
         # found by replaying the step (replay.py).
         self._watched = False
+        # What the wrapped functions show the recorder (functional.py)
+        self._observer = functional.Observer(self._on_activation, self._on_attention, self._on_data_wait, self._fail)
         self.origin = NanOrigin()  # where a bad step's NaN/Inf was born when not watched
         self.planner = StepPlanner(self.config)  # which step records what, within the budgets
         self.memory = MemoryProbe(self.config, self.planner, self._fail)  # RSS, CUDA, census, GC, OOM
@@ -117,8 +124,7 @@ class Recorder:
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
-        self.norms = GradientNorms(self._params, self._param_index, self._grad_of)
-        self.norms.fused_option = self.config.fused_reductions  # (watch_batch.py)
+        self.norms = GradientNorms(self._params, self._param_index, self._grad_of, self.config.fused_reductions)
         self._param_name_by_id = {id(p): n for n, p in named}
         check_sample_modules(model, self.config.sample_modules)
         try:
@@ -133,19 +139,20 @@ class Recorder:
         except Exception as e:
             self._fail(e)
             return
-        self._exit = ExitHooks(self)  # SIGTERM and the interpreter's exit close the trace
+        # SIGTERM and the interpreter's exit close the trace
+        self._exit = ExitHooks(self.close, self._on_error_leaving, self.config.handle_sigterm)
 
     # -- setup --------------------------------------------------------------------------------
     def _open(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
-        self.watcher = ModuleWatcher(self.model, self._fail)
-        self.watcher.meas.fused_option = self.config.fused_reductions
-        self.watcher.inputs.fused_option = self.config.fused_reductions
-        n_params, n_modules = len(self._params), len(self.watcher.names)
         cfg = self.config
+        self.watcher = ModuleWatcher(self.model, self._fail, cfg.fused_reductions)
+        self.inputs = InputStats(cfg.fused_reductions)  # the batch's statistics
+        self.root_hooks = RootHooks(self.model, self.clock, self.train_mode, self.inputs, self.origin, self._fail)
+        n_params, n_modules = len(self._params), len(self.watcher.names)
         self._hist_params, hist_modules = histogram_tensors(n_params, self.watcher.is_leaf, cfg.histogram_max_tensors) \
             if cfg.histogram_every else ([], [])
-        self.watcher.hist_modules = {m: k for k, m in enumerate(hist_modules)}
+        self.watcher.histogram_modules(hist_modules)
         attrs, static = trace_header(self.model, self._param_names, self._params, self.watcher, cfg,
                                      self.rank, self.world_size, self._device, self._hist_params, hist_modules)
         self.writer = TraceWriter(
@@ -159,7 +166,7 @@ class Recorder:
         self.profiler = ProfilerWindows(self.config.profile_first, self.config.profile_steps,
                                         self.config.profile_every, self._device)
         self.attention = AttentionTracker(self.watcher, self._fail)
-        functional.attach(self)
+        functional.attach(self._observer)
         self.schedule = OptimizerSchedule(self._param_index, self.schedule.scaler)
         self.schedule.attach()
         ref = weakref.ref(self)
@@ -171,32 +178,63 @@ class Recorder:
 
         self.memory.attach(self._device, self.writer, on_cuda_oom)
         self.captures = Captures(self.model, self.watcher, cfg, self.writer, self._fail)
-        if self.captures.blackbox is not None:
-            self._opt_hook = optimizer_hooks.on_pre_step(self._pre_optimizer_step)
+        self._guard = UpdateGuard(self.norms, self.captures, self.origin, self.watcher, self._param_names,
+                                  self._param_name_by_id, step_now=lambda: self._step, active=lambda: self._active,
+                                  watched=lambda: self._watched, fail=self._fail)
         # Gradient and weight norms, update ratios, parameter histograms (param_stats.py).
         self.param_stats = ParamStats(self._params, self._grad_of, self.norms, self.planner, self._hist_params)
+        self.local_grads = LocalGradients(self.model)  # (DDP: each rank's own gradients)
+        fingerprints = Fingerprints(self._params, cfg.fingerprint_every)
         self.rows = StepRows(watcher=self.watcher, param_stats=self.param_stats, norms=self.norms,
                              activity=self.activity, attention=self.attention, origin=self.origin,
-                             memory=self.memory, clock=self.clock, planner=self.planner, profiler=self.profiler,
-                             captures=self.captures, schedule=self.schedule, writer=self.writer,
-                             params=self._params, device=self._device)
-        self.rows.fingerprint_every = cfg.fingerprint_every
-        self.local_grads = self.rows.local_grads = LocalGradients(self.model)  # (DDP: each rank's own gradients)
+                             inputs=self.inputs, local_grads=self.local_grads, fingerprints=fingerprints,
+                             mode=self.train_mode, memory=self.memory, clock=self.clock, planner=self.planner,
+                             profiler=self.profiler, captures=self.captures, schedule=self.schedule,
+                             writer=self.writer, params=self._params, device=self._device)
+        # In the order they are armed: the profiler's window opens last, once the step is set up.
+        self._probes = (self.watcher, self.inputs, self.attention, self.activity, self.origin, self.norms,
+                        self.captures, self.param_stats, fingerprints, self.local_grads, self.memory, self.profiler)
+        self._armed = tuple(p for p in self._probes if type(p).arm is not Probe.arm)  # (every step: no no-ops)
         self._active = True
-        resume.begin(self)  # the first step's schedule, profiler window and opening snapshot
+        self._begin()
         if cfg.heartbeat_s:
-            self.heartbeat = Heartbeat(self, cfg.heartbeat_s, cfg.stall_factor)
+            clock = self.clock
+            self.heartbeat = Heartbeat(step_now=lambda: self._step, active=lambda: self._active,
+                                       phase=lambda: phase_of(self._in_step_since, clock),
+                                       step_began=lambda: clock.t_step_end, put_task=self.writer.put_task,
+                                       every_s=cfg.heartbeat_s, stall_factor=cfg.stall_factor)
 
-    def _pre_optimizer_step(self, optimizer, args, kwargs):
-        """Before any optimizer's step (a global hook): before_optimizer_step(). Not for a step
-        given a closure (Lightning, LBFGS): its forward and backward run inside optimizer.step(),
-        after this hook, which would judge the last step's gradients. Lightning's callback calls
-        before_optimizer_step() once the closure's backward is done; elsewhere such a step's
-        gradients are measured at rec.step(), and a NaN in them fires the black box there."""
-        if callable(kwargs.get("closure", args[0] if args else None)):
-            return None
-        self.before_optimizer_step(optimizer)
-        return None
+    def _begin(self) -> None:
+        """The first step's plan and profiler window, and the opening snapshot (the parameters
+        at the start of the first step; held back until its number is known on a restart)."""
+        s, start = self._step, self._start
+        if s:
+            self._align(s)
+        self._arm(s)
+        held = self.captures.opening_snapshot(s, known=not start.auto)
+        if start.auto:
+            start.search(self._param_index, held, is_first=lambda: self._active and self._step == start.start,
+                         resume_at=self._resume_at, hand_over=self._hand_over)
+
+    def _align(self, s: int) -> None:
+        """Schedules that count from step 0 start from step s instead (the start of a resumed
+        attempt, as step 0 is of a run): the first update ratio at s + 1, against a copy taken at
+        the end of step s (one taken when the Recorder opened may predate the checkpoint)."""
+        self.planner.align(s)
+        for probe in self._probes:
+            probe.align(s)
+        self.writer.align(s)
+
+    def _resume_at(self, s: int, held: bool) -> None:
+        """The optimizer restored s steps: this iteration, the first recorded, is step s."""
+        self._step = s
+        self._plan = self._plan._replace(step=s)  # (what it records was decided already)
+        self._align(s)
+        self.captures.resumed_at(s, held)
+
+    def _hand_over(self, task) -> None:
+        if self.writer is not None and self._active:
+            self.writer.put_task(task)
 
     def keep_step_call(self, method: str, args: tuple, shared: dict | None = None) -> None:
         """For a framework's callback: the step's own entry into the model (Lightning's
@@ -217,92 +255,65 @@ class Recorder:
         fires the black box while the parameters are still those the bad step started from.
         Optimizers of other models are ignored, and so are gradients judged already this step
         (the global hook after a call here)."""
-        if not self._active or not self.captures.armed:
-            return None
+        if self._guard is not None:
+            self._guard.judge(optimizer)
+
+    def _arm(self, step: int) -> None:
+        """Decide what the coming step records (the planner's budgets) and arm every probe with it;
+        every module is hooked if it records anything per module (a watched step; other steps
+        hook only the root, see hooks.py)."""
+        planner, samples = self.planner, self.captures.samples
+        plan = self._plan = StepPlan(step, step >= planner.next_watch,
+                                     bool(self.config.histogram_every) and step == planner.next_hist,
+                                     samples is not None and samples.due(step))
+        watched = plan.watched
+        if watched or self._watched:  # (from one plain step to the next nothing changes)
+            functional.watching(self._observer, watched)
+        self._watched = watched
         try:
-            with own_work():
-                bad = self.norms.judge(optimizer, self._step)
-                if bad:  # NaN/Inf gradients, not yet applied: the black box now
-                    names = [self._param_names[i] for i in bad]
-                    extra = {"n_params_affected": len(names), **self._replay()}
-                    bb = self.captures.blackbox
-                    self.captures.fire(bb.capture(self._step, "grad_nonfinite", "start_of_step", optimizer, names,
-                                                  self._param_name_by_id, extra))
+            for probe in self._armed:
+                probe.arm(plan)
         except Exception as e:
             self._fail(e)
-        return None
-
-    def _replay(self) -> dict:
-        """On a step that was not watched (or whose compiled forward hid its inner modules), find
-        where its NaN/Inf was born by running its forward passes again on a copy of the model
-        (before the black box is written: it says how it went)."""
-        return {} if self._watched and not self.watcher.compiled else self.origin.replay(self.captures.blackbox)
-
-    def _set_schedule(self, step: int) -> None:
-        """Tell the hooks what the coming step records, and hook every module if it records
-        anything per module (a watched step; other steps hook only the root, see hooks.py)."""
-        w = self.watcher
-        w.sample_activations = self.attention.sampled = step >= self.planner.next_watch
-        w.sample_histograms = bool(self.config.histogram_every) and step == self.planner.next_hist
-        samples, bb = self.captures.samples, self.captures.blackbox
-        w.sample_tensors = samples is not None and samples.due(step)
-        self._watched = w.sample_activations or w.sample_histograms or w.sample_tensors
-        w.inputs.watched = self._watched  # (the batch's zero share and constant features too)
-        if self._watched or w.watching:  # (from one plain step to the next nothing changes)
-            w.watch(self._watched)
-            functional.watching(self, self._watched)
-            if bb is not None:  # watched steps read the RNG states and check them
-                bb.take_rng = self._watched or not bb.rng_free
-        self.origin.new_step()
-        self.activity.step = self.attention.step = step
 
     # -- observer of wrapped functions (functional.py) ---------------------------------------
-    def on_activation(self, fn, args, kwargs, out) -> None:
+    def _on_activation(self, fn, args, kwargs, out) -> None:
         if self._active:
             with own_work():
                 self.activity.on_activation(fn, args, kwargs, out)
 
-    def on_attention(self, fn, args, kwargs, out) -> None:
+    def _on_attention(self, fn, args, kwargs, out) -> None:
         if self._active:
             with own_work():
                 self.attention.on_attention(fn, args, kwargs, out)
 
-    def on_data_wait(self, seconds: float) -> None:
+    def _on_data_wait(self, seconds: float) -> None:
         if self._active:
             self.clock.on_data_wait(seconds)
-
-    def on_observer_error(self, e: BaseException) -> None:
-        self._fail(e)
 
     # -- per step -----------------------------------------------------------------------------
     def step(self, loss=None) -> None:
         """Mark the end of one training iteration (call it after ``optimizer.step()``)."""
+        if self._start.pending:  # (a restart: the search for its first step's number ends)
+            self._start.finish(self._fail)
+        plan = self._plan
         if self._active:
-            if self._watched:  # (counted once the step has run: the activity window holds it)
-                self.activity.steps_watched += 1
             try:
                 t_called = self._in_step_since = time.perf_counter()
                 with own_work():
                     self._sched = self.schedule.end_step(self._step)
-                    if not self.rows.plain(self._step, loss, t_called, self._watched, self._sched):
-                        self.rows.record(self._step, loss, t_called, self._watched, self._sched)
+                    if not self.rows.plain(plan, loss, t_called, self._sched):
+                        self.rows.record(plan, loss, t_called, self._sched)
             except Exception as e:
                 self._fail(e)
             self._in_step_since = None
-            self.norms.entries = []
-            self.norms.kept = -1
             if self.local_grads.due and self._active:  # (after the job's first backward: local_grads.py)
                 self.local_grads.attach()
         if self._active:
-            w = self.watcher
-            self.planner.after_step(self._step, self._watched, w.sample_activations, w.sample_histograms)
+            self.planner.after_step(self._step, plan.watched, plan.activations, plan.histograms)
         self._step += 1
         if self._active:
-            self._set_schedule(self._step)
-            try:
-                self.profiler.begin(self._step)
-            except Exception as e:
-                self._fail(e)
+            self._arm(self._step)
         if self.writer is not None and self.writer.error is not None and self._active:
             self._fail(self.writer.error)
 
@@ -330,23 +341,16 @@ class Recorder:
     def _unhook(self) -> None:
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.stop()
-        if getattr(self, "local_grads", None) is not None:
-            self.local_grads.stop()
         self.schedule.remove()
-        if getattr(self, "_opt_hook", None) is not None:
-            self._opt_hook.remove()
-            self._opt_hook = None
-        if getattr(self, "captures", None) is not None:
-            self.captures.remove()
-        if getattr(self, "profiler", None) is not None:
-            self.profiler.abort()
-        functional.detach(self)
-        if getattr(self, "memory", None) is not None:
-            self.memory.detach()
-        if self.attention is not None:
-            self.attention.remove()
-        if self.watcher is not None:
-            self.watcher.remove()
+        if getattr(self, "_guard", None) is not None:
+            self._guard.remove()
+        functional.detach(self._observer)
+        if getattr(self, "root_hooks", None) is not None:
+            self.root_hooks.remove()
+        # (_open may have failed before the probes were listed: those it made)
+        made = (self.watcher, self.attention, self.profiler, self.captures, self.memory)
+        for probe in self._probes or [p for p in made if p is not None]:
+            probe.close()
 
     def flush(self) -> None:
         """Write everything recorded so far to disk now."""
@@ -355,6 +359,8 @@ class Recorder:
 
     def close(self, reason: str = "closed") -> None:
         """Flush, unhook and close the trace. Safe to call more than once."""
+        if self._start.pending:
+            self._start.finish(self._fail)
         with self._lock:
             if self._closed:
                 return
@@ -375,8 +381,6 @@ class Recorder:
                     **self.captures.note(),
                     **(self.profiler.note() if self.profiler is not None else {}),
                 })
-            if getattr(self, "param_stats", None) is not None:
-                self.param_stats.release()
         except Exception as e:
             warnings.warn(f"torchautopsy: closing the trace failed ({e!r})", RuntimeWarning, stacklevel=2)
         if getattr(self, "_exit", None) is not None:

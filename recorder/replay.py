@@ -62,8 +62,7 @@ def replay_step(model: nn.Module, calls: list, rng: dict | None, buffers: list, 
     except Exception as e:
         return {"replay": f"the model could not be copied ({type(e).__name__}: {e})"[:500]}
     errors: list[BaseException] = []  # a failing check of the copy is reported, not raised
-    watcher = ModuleWatcher(twin, errors.append)
-    watcher.check_no_grad = True
+    watcher = ModuleWatcher(twin, errors.append, check_no_grad=True)
     watcher.watch(True)
     first = next(iter(twin.parameters()), None)
     cuda = first is not None and first.device.type == "cuda"

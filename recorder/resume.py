@@ -16,10 +16,12 @@ never lost and the attempts line up on one step axis:
   directory), it is the step count an optimizer of the model restored from its checkpoint, read
   the first time that optimizer steps (Adam-family ``state[p]["step"]``; SGD keeps none). A
   first attempt counts from 0, as the README says, however long its optimizer trained before.
-  ``begin()`` and ``_resume_at()`` line the schedules up with that step: activity
-  windows, update-ratio samples, histograms, profiler windows start from it, and the opening
-  parameter snapshot is labelled with it (taken again, once the step is known, if it was
-  unknown when the Recorder opened: the weights are then those a checkpoint restored).
+  The Recorder lines its probes up with that step through the probe protocol (``align``,
+  probe.py): activity windows, update-ratio samples, histograms, profiler windows start from
+  it, and the opening parameter snapshot is labelled with it (taken again, once the step is
+  known, if it was unknown when the Recorder opened: the weights are then those a checkpoint
+  restored). ``StartStep`` holds the search, told what to do by callables: it never touches
+  the Recorder.
 """
 
 from __future__ import annotations
@@ -119,16 +121,7 @@ def closing_attrs(attrs: dict, first: int) -> dict:
 
 # -- step numbers ---------------------------------------------------------------------------------
 
-class _State:
-    def __init__(self, auto: bool):
-        self.auto = auto  # start_step not given: read it from the optimizer
-        self.start = 0
-        self.held = None  # the opening snapshot's writer task, until its step is known
-        self.done = not auto
-        self.error: Exception | None = None  # raised in the optimizer hook, reported at rec.step()
-
-
-def _restarted(run_dir: str, rank: int) -> bool:
+def restarted(run_dir: str, rank: int) -> bool:
     """An earlier attempt of this rank has published its trace in run_dir."""
     try:
         return any(_attempts(run_dir, str(rank)).values())
@@ -136,60 +129,61 @@ def _restarted(run_dir: str, rank: int) -> bool:
         return False
 
 
-def first_step(rec) -> int:
-    """The step number of rec's first rec.step(): Recorder option start_step; on a restart
-    without it, 0 until an optimizer of the model shows a restored step count
-    (_on_optimizer_step); else 0."""
-    start = rec.config.start_step
-    state = rec._resume = _State(auto=start is None and _restarted(rec.run_dir, rec.rank))
-    state.start = start or 0
-    if state.auto:
-        _waiting.add(rec)
-        # The first rec.step() or close() ends the search (and hands over the held snapshot):
-        # seen through instance attributes, removed at their first call, so that
-        # Recorder.step itself stays as it is.
-        rec.step = lambda loss=None: _finish(rec, "step", loss)
-        rec.close = lambda reason="closed": _finish(rec, "close", reason)
-    return state.start
+class StartStep:
+    """The step number of an attempt's first rec.step(): Recorder option start_step; on a restart
+    without it, 0 until an optimizer of the model shows a restored step count (search); else 0.
+    The Recorder asks ``pending`` at each rec.step() and close(), and calls finish() at the first."""
 
+    def __init__(self, start_step: int | None, restarted: bool):
+        self.auto = start_step is None and restarted  # start_step not given: read it from the optimizer
+        self.start = start_step or 0
+        self.pending = self.auto  # the first rec.step() or close() is still to come
+        self._done = not self.auto  # the step is known, or no longer looked for
+        self._held = None  # the opening snapshot's writer task, until its step is known
+        self._error: Exception | None = None  # raised in the optimizer hook, reported at rec.step()
+        self._index: dict = {}
+        self._is_first = self._resume_at = self._hand_over = None
 
-def begin(rec) -> None:
-    """At the end of Recorder._open: the first step's schedule and profiler window, and the
-    opening snapshot (parameters at the start of the first step)."""
-    state, s = rec._resume, rec._step
-    if s:
-        _align(rec, s)
-    rec._set_schedule(s)
-    rec.profiler.begin(s)
-    if rec.captures.snapshots is None:
-        return
-    if state.auto:  # its step is not known yet: copied now, written once known
-        state.held = rec.captures.snapshots.take(s)
-        rec.captures.last_snapshot = s
-    elif rec.captures.snapshots.due(s) or s:  # every attempt keeps the state it started from
-        rec.captures.snapshot(s)
+    def search(self, param_index: dict, held, *, is_first, resume_at, hand_over) -> None:
+        """Look for the step at the model's optimizer's first step (before the Recorder's own
+        optimizer hook). ``held``: the opening snapshot's writer task (or None); ``is_first()``:
+        the recorder records and its first step has not ended; ``resume_at(s, held)``: the
+        optimizer restored s steps; ``hand_over(task)``: write the held snapshot as it is."""
+        self._index, self._held = param_index, held
+        self._is_first, self._resume_at, self._hand_over = is_first, resume_at, hand_over
+        _waiting.add(self)
 
+    def _pre_step(self, optimizer) -> None:
+        if self._done or not self._is_first():
+            return  # (rec.step() or close() ends the search)
+        try:
+            count = _optimizer_step(optimizer, self._index)
+            if count is None:
+                return  # another model's optimizer
+            self._done = True
+            held, self._held = self._held, None
+            if count > 0:  # this iteration, the first recorded, is step `count`
+                self._resume_at(count, held is not None)
+            elif held is not None:
+                self._hand_over(held)
+        except Exception as e:  # (failed at rec.step() or close(): reported with the step)
+            self._error, self._done = e, True
 
-def _align(rec, s: int) -> None:
-    """Schedules that count from step 0 start from step s instead (the start of an attempt,
-    as step 0 is of a run)."""
-    # The first update ratio at s + 1, against a copy taken at the end of step s: a copy taken
-    # when the Recorder opened may predate the checkpoint's weights.
-    rec.planner.align(s)
-    act = rec.activity
-    act._window_start, act.step = s, s
-    act.last_step = act._last_step()
-    rec.attention.step = s
-    for site in (*act._new_sites, *rec.attention._new_sites):  # seen in this first forward
-        site["first_step"] = max(site["first_step"], s)
-    prof = rec.profiler
-    prof.first += s  # after this attempt's warm-up
-    # A window opened (or due) at the first step was labelled 0: it is the window of step s.
-    for name in ("_start_step", "_window_due", "_due"):
-        if getattr(prof, name, -1) >= 0:
-            setattr(prof, name, max(getattr(prof, name), s))
-    if rec.writer is not None:
-        rec.writer.first_step = s
+    def finish(self, fail) -> None:
+        """The first rec.step() or close(): the search is over (``fail``: the Recorder's)."""
+        self.pending = False
+        _waiting.discard(self)
+        if self._error is not None:
+            fail(self._error)
+        if not self._done:
+            self._done = True
+            held, self._held = self._held, None
+            try:
+                if held is not None:  # the opening snapshot's step is the start: write it
+                    self._hand_over(held)
+            except Exception as e:
+                warnings.warn(f"torchautopsy: the opening snapshot could not be kept ({e!r})", RuntimeWarning,
+                              stacklevel=3)
 
 
 def _optimizer_step(optimizer, index: dict) -> int | None:
@@ -208,78 +202,18 @@ def _optimizer_step(optimizer, index: dict) -> int | None:
     return count if mine else None
 
 
-# Recorders whose first step's number is not known yet, and the optimizer pre-hook that looks for
+# Searches whose first step's number is not known yet, and the optimizer pre-hook that looks for
 # it, subscribed once, when the recorder is imported: before any Recorder's own (optimizer_hooks.py
 # keeps their order), so the step is renumbered before the black box's hook can capture a step.
-# With no Recorder waiting it returns at once.
+# With no search waiting it returns at once.
 _waiting: weakref.WeakSet = weakref.WeakSet()
 
 
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
     if _waiting:
-        for rec in list(_waiting):
-            _pre_step(rec, optimizer)
+        for search in list(_waiting):
+            search._pre_step(optimizer)
     return None
 
 
 on_pre_step(_on_optimizer_step)
-
-
-def _pre_step(rec, optimizer) -> None:
-    state = rec._resume
-    if state.done:
-        return None
-    if not getattr(rec, "_active", False) or rec._step != state.start:
-        return None  # (rec.step() or close() ends the search)
-    try:
-        count = _optimizer_step(optimizer, rec._param_index)
-        if count is None:
-            return None  # another model's optimizer
-        state.done = True
-        if count > 0:
-            _resume_at(rec, count)
-        else:
-            _hand_over(rec)
-    except Exception as e:  # (failed at rec.step() or close(): reported with the step)
-        state.error, state.done = e, True
-    return None
-
-
-def _resume_at(rec, s: int) -> None:
-    """The optimizer restored s steps: this iteration, the first recorded, is step s."""
-    state = rec._resume
-    rec._step = s
-    _align(rec, s)
-    if rec.captures.snapshots is not None:
-        if state.held is not None and rec.captures.snapshots.count == 1:
-            rec.captures.snapshots.count = 0  # its slot was never written: the new one takes slot 0
-        state.held = None
-        # The parameters at the start of step s, now that a checkpoint has been loaded (the
-        # buffers after this step's forward: BatchNorm statistics moved by one batch).
-        rec.captures.snapshot(s)
-
-
-def _hand_over(rec) -> None:
-    """The opening snapshot's step is the start: write it."""
-    state = rec._resume
-    task, state.held = state.held, None
-    if task is not None and rec.writer is not None and rec._active:
-        rec.writer.put_task(task)
-
-
-def _finish(rec, method: str, arg):
-    """The first rec.step() or close(): the search for a resumed step is over."""
-    state = rec._resume
-    rec.__dict__.pop("step", None)
-    rec.__dict__.pop("close", None)
-    if state.error is not None:
-        rec._fail(state.error)
-    if not state.done:
-        state.done = True
-        try:
-            _hand_over(rec)
-        except Exception as e:
-            warnings.warn(f"torchautopsy: the opening snapshot could not be kept ({e!r})", RuntimeWarning,
-                          stacklevel=3)
-    _waiting.discard(rec)
-    return getattr(rec, method)(arg)

@@ -60,3 +60,11 @@ def shards(p) -> int:
         return int(math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard()))
     except Exception:
         return 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(this process's rank, the world size) of torch.distributed; (0, 1) when it is not in use."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

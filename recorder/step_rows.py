@@ -1,6 +1,9 @@
 """One rec.step(): what the probes measured on the device goes to the host in one transfer and
 becomes the step's rows (steps/ and the tables the probes fill), queued for the writer thread.
-The Recorder (recorder.py) decides when; this is the work of each step."""
+The Recorder (recorder.py) decides when; this is the work of each step: each probe (probe.py)
+packs its reductions, the one transfer, then the rows. The gradient, module and batch rows make
+the step's own rows (params/, modules/, steps/) and decide whether it went bad; the other probes'
+rows are theirs alone."""
 
 from __future__ import annotations
 
@@ -12,43 +15,44 @@ import numpy as np
 import torch
 
 from .captures import trigger
-from .fingerprint import device_fingerprints, pieces_to_int64
 from .histograms import N_BINS
 from .input_stats import INPUT_COLUMNS, InputStats
-from .local_grads import LocalGradients, combine
+from .local_grads import combine
 from .loss_graph import loss_ops
 from .nan_origin import loss_is_bad
+from .probe import StepPlan
 from .stats import Packer
 
 
 class StepRows:
-    def __init__(self, *, watcher, param_stats, norms, activity, attention, origin, memory, clock, planner,
-                 profiler, captures, schedule, writer, params: list, device):
+    def __init__(self, *, watcher, param_stats, norms, activity, attention, origin, inputs, local_grads,
+                 fingerprints, mode, memory, clock, planner, profiler, captures, schedule, writer, params: list,
+                 device):
         self.watcher, self.param_stats, self.norms = watcher, param_stats, norms
         self.activity, self.attention, self.origin = activity, attention, origin
-        self.memory, self.clock, self.planner, self.profiler = memory, clock, planner, profiler
+        self.inputs, self.local_grads, self.fingerprints = inputs, local_grads, fingerprints
+        self.mode, self.memory, self.clock, self.planner, self.profiler = mode, memory, clock, planner, profiler
         self.captures, self.schedule, self.writer = captures, schedule, writer
+        # What joins a recorded step's one transfer, in its order; and the probes with rows of their own.
+        self._packing = (param_stats, watcher, activity, attention, fingerprints, local_grads, inputs)
+        self._with_rows = (fingerprints, activity, attention, watcher)
         self._params = params
         self.device = device  # the model's, as of the last recorded step
-        self.fingerprint_every = 0  # (recorder.py sets it from the config)
-        self.local_grads = LocalGradients(None)  # (recorder.py sets the model's)
-        self.inputs = watcher.inputs  # the batch's statistics (input_stats.py)
         self.input_row = InputStats().combine(())  # (the row of a step without inputs)
         self.loss_given = False
         self.loss_function_seen = False  # (loss_function/ written)
         # A step without module hooks: output_absmax all -1 (a shared read-only row), no origin.
         self.unwatched = self.watcher.finish_step({}, len(self.watcher.names))
 
-    def plain(self, step: int, loss, t_called: float, watched: bool, sched: tuple) -> bool:
+    def plain(self, plan: StepPlan, loss, t_called: float, sched: tuple) -> bool:
         """Record a plain step, most of them: not watched, no sampled update ratio, activity
         window, profiler window or snapshot, its gradient norms already on the host (the
         optimizer step pre-hook), loss and norms finite. Right after a training step every line
         of Python runs cold (a numpy call there costs ~50 us, measured), so this does as little
         as it can: the loss's one transfer, a row of host values; the writer thread makes
         float32 of them, in bulk. Returns False, having recorded nothing, for any other step."""
-        next_update = self.planner.next_update
-        fp = self.fingerprint_every
-        if (watched or self.profiler.prof is not None or step == next_update or (fp and step % fp == 0)
+        step, next_update = plan.step, self.planner.next_update
+        if (plan.watched or self.profiler.prof is not None or step == next_update or self.fingerprints.due(step)
                 or step + 1 == next_update or step >= self.activity.last_step):  # (window_ends)
             return False
         norms = self.norms.cached()
@@ -60,7 +64,7 @@ class StepRows:
         # One transfer: the loss, DDP's local bucket norms and the batch's statistics.
         loss_value, (local_v, inputs_v) = _to_host(loss, [torch.stack(local)] if local else [], inputs)
         if loss is not None and not math.isfinite(loss_value):
-            self.local_grads.pending = local
+            self.local_grads.put_back(local)
             self.inputs.put_back(inputs)
             return False  # a bad step is measured in full
         self.loss_given = loss is not None
@@ -76,29 +80,17 @@ class StepRows:
         self.captures.end_step(step)
         return True
 
-    def record(self, step: int, loss, t_called: float, watched: bool, sched: tuple) -> None:
+    def record(self, plan: StepPlan, loss, t_called: float, sched: tuple) -> None:
         """Record any other step: everything measured on the device goes to the host in one
         transfer, is made into the step's rows and queued; the black box fires if the step broke."""
+        step, watched = plan.step, plan.watched
         if watched and self.captures.blackbox is not None:
             self.captures.blackbox.check_rng()
         ps = self.param_stats
         pk = Packer()
         with torch.no_grad():  # (gradients are leaves: reducing them records no graph)
-            ps.pack(pk, step, watched, self.watcher.sample_histograms)
-            self.watcher.pack(pk)
-            self.activity.accumulate()
-            window_ends = self.activity.window_ends(step)
-            if window_ends:
-                self.activity.pack(pk)
-            self.attention.pack(pk)
-            fingerprint = self.fingerprint_every and step % self.fingerprint_every == 0 and self._params
-            if fingerprint:
-                pk.add("fingerprint", device_fingerprints(self._params))
-            local, inputs = self.local_grads.take(), self.inputs.take()
-            if local:
-                pk.add("local_grad", local)
-            if inputs:
-                pk.add("inputs", torch.cat(inputs))
+            for probe in self._packing:
+                probe.pack(pk, plan)
             if isinstance(loss, torch.Tensor):  # in the step's one transfer, or alone
                 if pk.empty:
                     loss_value = float(loss.detach().reshape(-1)[0]) if loss.numel() else float("nan")
@@ -114,9 +106,9 @@ class StepRows:
             if bad_step and not watched:
                 ps.measure_bad(host)
             param_row, grad_bad = ps.finish(host, step, watched or bad_step)
-            bad_hist = bad_step and not self.watcher.sample_histograms and ps.bad_step_histograms(host)
+            bad_hist = bad_step and not plan.histograms and ps.bad_step_histograms(host)
 
-        hist_act = (self.watcher.hist_rows(host, N_BINS) if self.watcher.sample_histograms else
+        hist_act = (self.watcher.hist_rows(host, N_BINS) if plan.histograms else
                     np.full((len(self.watcher.hist_modules), N_BINS), -1) if bad_hist else None)  # (-1: not taken)
         mods = self.watcher.finish_step(host, len(self.watcher.names), step)
         self.loss_given = loss is not None
@@ -128,26 +120,17 @@ class StepRows:
             self.device = self._params[0].device
         rows = {"params": param_row, "modules": {"output_absmax": mods["output_absmax"]}}
         if bad_step or mods["origin"] >= 0:  # what the loss function did (loss_graph.py)
-            checks = self.origin.loss_check(step, loss, self.watcher.out_refs)
+            checks = self.origin.loss_check(step, loss)
             if checks:
                 rows["loss_checks"] = checks
         if "acts" in mods:
             rows["activations"] = {"step": step, **mods["acts"]}
         if "call_outputs" in mods:
             rows["call_outputs"] = mods["call_outputs"]
-        if fingerprint:
-            rows["fingerprints"] = {"step": step, "bits": pieces_to_int64(host["fingerprint"])}
         rows.update(ps.extra_rows(host, step, hist_act))  # update ratios, histograms
-        if window_ends:
-            rows["activity"] = self.activity.finish_window(step, host)
-        attn = self.attention.finish_step(step, host)
-        if attn is not None:
-            rows["attention"] = attn
-        # Sites first seen this step go in the same queue item as the rows that refer to them.
-        rows["activity_sites"] = self.activity.take_new_sites()
-        rows["attention_sites"] = self.attention.take_new_sites()
-        rows["module_outputs"] = self.watcher.take_new_shapes()
-        rows["call_sites"] = self.watcher.call_sites.take_new_sites()
+        # (sites first seen this step go in the same queue item as the rows that refer to them)
+        for probe in self._with_rows:
+            rows.update(probe.rows(plan, host))
         self.input_row = self.inputs.combine(host.get("inputs", ()))
         if not self.loss_function_seen:
             self._loss_function(step, loss, rows)
@@ -171,13 +154,8 @@ class StepRows:
         if groups:
             rows["census_groups"] = [{"step": step, **g} for g in groups]
         snapshot_task = mem.cuda_snapshot(step) if mem.cuda is not None else None
-        w = self.watcher
-        wait, between, forward, backward, own = self.clock.split(w.t_forward_start, w.t_forward_end, t_called)
-        w.t_forward_start = w.t_forward_end = None
-        w.out_refs = []
-        mode = _MODE[w.mode_bits]
-        nograd_train = w.nograd_train_forwards
-        w.mode_bits = w.nograd_train_forwards = 0
+        wait, between, forward, backward, own = self.clock.split(t_called)
+        mode, nograd_train = self.mode.take()
         rows["steps"] = {
             "step": step, "time_s": time_s, "loss": loss_value, "loss_given": int(self.loss_given), "rss_bytes": rss,
             "cuda_allocated_bytes": alloc, "cuda_reserved_bytes": reserved, "cuda_peak_bytes": peak,
@@ -245,9 +223,6 @@ def _to_host(loss, *groups: list[torch.Tensor]) -> tuple[float, list[list[float]
         out.append(values[i:i + n])
         i += n
     return loss_value, out
-
-
-_MODE = (-1, 1, 0, 2)  # the hooks' mode bits -> steps/train_mode: none, train, eval, both
 
 
 def _loss_value(loss, host: dict) -> float:

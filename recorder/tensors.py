@@ -116,6 +116,12 @@ class Snapshots:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0 and not self.skipped
 
+    def forget_unwritten(self) -> None:
+        """The only snapshot taken was never written (a resumed attempt's opening one, whose step
+        was not known): the next takes its slot."""
+        if self.count == 1:
+            self.count = 0
+
     def _nbytes(self, tensors) -> int:
         """The bytes a snapshot of these tensors takes, before copying anything."""
         total, seen = 0, set()

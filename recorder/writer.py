@@ -156,6 +156,10 @@ class TraceWriter:
                                             chunks=(64 * 1024,))
 
     # -- training thread ----------------------------------------------------------------------
+    def align(self, step: int) -> None:
+        """The attempt's first step is ``step`` (resume.py): its closing attributes say so."""
+        self.first_step = step
+
     def put(self, rows: dict[str, dict | list[dict]]) -> None:
         """Queue one step's rows, {table: row or [rows]}: all or none of them are written. A
         writer so far behind that the rows pile up drops them (counted) rather than grow."""
