@@ -71,13 +71,11 @@ def figures(ctx: Context) -> list[Figure]:
               if f.rank in ds and f.step is not None and f.severity != "info"]
     out = []
     for title, what, series, meaning in PICTURES:
-        values = matrix(ds, series, steps)
-        missing = np.isnan(matrix(ds, lambda d: np.zeros(len(d.steps)), steps))
-        if not np.isfinite(values).any():
+        cells = _cells(ds, series, steps, ranks)
+        if cells is None:
             out.append(no_figure(title, f"Not recorded: {what}."))
             continue
-        dev, nonfinite = _deviation(values, missing)
-        dev, nonfinite, missing, labels, x_edges = _bucketed(dev, nonfinite, missing, ranks, steps)
+        dev, nonfinite, missing, labels, x_edges = cells
         caption = (f"One row per rank{' (groups of ranks: the most deviating of each)' if len(labels) < len(ranks) else ''}:"
                    f" {what}, against the median rank's at the same step (white: as the median rank; red: more; "
                    f"blue: less). {meaning} Grey: no step recorded (the rank's trace had ended). Triangles: the "
@@ -133,23 +131,64 @@ def _deviation(values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.
     return np.clip(dev, -4, 4), nonfinite
 
 
+def _cells(ds: dict[int, RankDigest], series, steps: np.ndarray, ranks: list[int]):
+    """_bucketed's cells of ``series``' deviation from the median rank, or None if no value is
+    finite. Built a block of step columns at a time (whole buckets, BLOCK_STEPS or so): each
+    column's median and each bucket's reduction are of their own columns alone, so the cells are
+    the whole matrix's, while 1,024 ranks x 10,000 steps never stand in float64 at once (82 MB each)."""
+    cols = plots.bucket_edges(len(steps), MAX_COLS)
+    parts, finite, k = [], False, 0
+    while k < len(cols) - 1:
+        j = k + 1
+        while j < len(cols) - 1 and cols[j + 1] - cols[k] <= BLOCK_STEPS:
+            j += 1
+        at = steps[cols[k]:cols[j]]
+        values = matrix(ds, series, at)
+        missing = np.isnan(matrix(ds, lambda d: np.zeros(len(d.steps)), at))
+        finite = finite or bool(np.isfinite(values).any())
+        dev, nonfinite = _deviation(values, missing)
+        parts.append(_by_columns(dev, nonfinite, missing, cols[k:j + 1] - cols[k]))
+        k = j
+    if not finite:
+        return None
+    dev, nonfinite, missing = (np.concatenate([p[i] for p in parts], axis=1) for i in range(3))
+    return (*_by_rows(dev, nonfinite, missing, ranks), np.append(steps[cols[:-1]], steps[-1] + 1).astype(float))
+
+
+BLOCK_STEPS = 512
+
+
+def median_rank(ds: dict[int, RankDigest], series, steps: np.ndarray) -> np.ndarray:
+    """The median over ranks of ``series`` at each of ``steps`` (NaN skipped), a block of steps at a time."""
+    return np.concatenate([np.nanmedian(matrix(ds, series, steps[a:a + BLOCK_STEPS]), axis=0)
+                           for a in range(0, len(steps), BLOCK_STEPS)] or [np.zeros(0)])
+
+
+def _most(a, edges, axis):
+    """The most deviating value of each bucket (``edges``) along ``axis``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        hi, lo = np.fmax.reduceat(a, edges[:-1], axis=axis), np.fmin.reduceat(a, edges[:-1], axis=axis)
+    return np.where(np.abs(lo) > np.abs(np.nan_to_num(hi)), lo, hi)
+
+
+def _by_columns(dev, nonfinite, missing, cols):
+    return (_most(dev, cols, 1), np.logical_or.reduceat(nonfinite, cols[:-1], axis=1),
+            np.logical_and.reduceat(missing, cols[:-1], axis=1))
+
+
+def _by_rows(dev, nonfinite, missing, ranks):
+    rows = plots.bucket_edges(len(ranks), MAX_ROWS)
+    labels = [f"rank {ranks[a]}" if b - a == 1 else f"ranks {ranks[a]}-{ranks[b - 1]}" for a, b in zip(rows[:-1], rows[1:])]
+    return (_most(dev, rows, 0), np.logical_or.reduceat(nonfinite, rows[:-1], axis=0),
+            np.logical_and.reduceat(missing, rows[:-1], axis=0), labels)
+
+
 def _bucketed(dev, nonfinite, missing, ranks, steps):
     """At most MAX_ROWS x MAX_COLS cells, each the most deviating value it covers (no spike lost)."""
     cols = plots.bucket_edges(len(steps), MAX_COLS)
-    rows = plots.bucket_edges(len(ranks), MAX_ROWS)
-
-    def most(a, edges, axis):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            hi, lo = np.fmax.reduceat(a, edges[:-1], axis=axis), np.fmin.reduceat(a, edges[:-1], axis=axis)
-        return np.where(np.abs(lo) > np.abs(np.nan_to_num(hi)), lo, hi)
-
-    dev = most(most(dev, cols, 1), rows, 0)
-    nonfinite = np.logical_or.reduceat(np.logical_or.reduceat(nonfinite, cols[:-1], axis=1), rows[:-1], axis=0)
-    missing = np.logical_and.reduceat(np.logical_and.reduceat(missing, cols[:-1], axis=1), rows[:-1], axis=0)
-    labels = [f"rank {ranks[a]}" if b - a == 1 else f"ranks {ranks[a]}-{ranks[b - 1]}" for a, b in zip(rows[:-1], rows[1:])]
-    x_edges = np.append(steps[cols[:-1]], steps[-1] + 1).astype(float)
-    return dev, nonfinite, missing, labels, x_edges
+    return (*_by_rows(*_by_columns(dev, nonfinite, missing, cols), ranks),
+            np.append(steps[cols[:-1]], steps[-1] + 1).astype(float))
 
 
 def _grouped_points(points, n_ranks, n_rows):

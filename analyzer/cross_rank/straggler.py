@@ -69,14 +69,7 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
     if len(steps) < cfg.min_slow_steps:
         return []
     ranks = sorted(digests)
-    ph = {p: matrix(digests, lambda d, p=p: d.phases[p], steps) for p in (*OWN_PHASES, "backward")}
-    own = np.nansum(np.stack([ph[p] for p in OWN_PHASES]), axis=0)  # (ranks x steps)
-    step_s = matrix(digests, lambda d: d.step_s, steps)
-    med_step = np.nanmedian(step_s, axis=0)
-    # Against the median of the other ranks (with two ranks, the other one's).
-    excess = own - median_of_others(own)
-    phase_med = {p: np.nanmedian(ph[p], axis=0) for p in OWN_PHASES}  # (the median rank's, per step)
-    slow = excess >= np.maximum(cfg.min_excess_s, cfg.min_excess_share * med_step)
+    excess, slow, med_step, phase_med = _per_step(digests, steps, cfg)
     findings = []
     w = max(1, min(cfg.window, len(steps)))
     kernel = np.ones(w)
@@ -94,12 +87,13 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
         start = int(sustained[0]) if len(sustained) else windows[0] + int(np.argmax(slow[i, windows[0]:windows[0] + w]))
         mask = slow[i].copy()
         mask[:start] = False
-        phase_excess = {p: np.nanmedian(ph[p][i, mask] - phase_med[p][mask]) for p in OWN_PHASES}
+        own = {p: matrix({r: digests[r]}, lambda d, p=p: d.phases[p], steps)[0] for p in OWN_PHASES}
+        phase_excess = {p: np.nanmedian(own[p][mask] - phase_med[p][mask]) for p in OWN_PHASES}
         phase = max(phase_excess, key=lambda p: phase_excess[p])
-        others = [k for k in range(len(ranks)) if k != i]
+        others = {q: d for q, d in digests.items() if q != r}
         before = ~mask & (np.arange(len(steps)) < start)
-        wait = float(np.nanmedian(ph["backward"][others][:, mask]) -
-                     (np.nanmedian(ph["backward"][others][:, before]) if before.any() else 0.0))
+        backward = lambda at: np.nanmedian(matrix(others, lambda d: d.phases["backward"], steps[at]))  # noqa: E731
+        wait = float(backward(mask) - (backward(before) if before.any() else 0.0))
         n_slow, ex, med = int(mask.sum()), float(np.nanmedian(excess[i, mask])), float(np.nanmedian(med_step[mask]))
         first, last = int(steps[start]), int(steps[np.flatnonzero(mask)[-1]])
         waited = f"; the other ranks' backward took {wait:.3g} s longer on those steps: they waited for it " \
@@ -113,6 +107,31 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
              "others_wait_s": wait},
             _ADVICE[phase], rank=r))
     return findings
+
+
+# Steps judged at once: the (ranks x steps) matrices are built a block of steps at a time, so that
+# 1,024 ranks x 10,000 steps need ~10 of (1,024 x 512) float64 at once, not of (1,024 x 10,000).
+BLOCK_STEPS = 512
+
+
+def _per_step(digests, steps: np.ndarray, cfg: StragglerConfig):
+    """Per rank and step, its own work's excess over the median of the other ranks' and whether
+    that makes the step slow; per step, the median rank's step time and own phases. Every value is
+    of one step (column) alone, so a block of steps at a time gives exactly the whole's."""
+    n_ranks, n = len(digests), len(steps)
+    excess, slow = np.empty((n_ranks, n)), np.empty((n_ranks, n), dtype=bool)
+    med_step, phase_med = np.empty(n), {p: np.empty(n) for p in OWN_PHASES}
+    for a in range(0, n, BLOCK_STEPS):
+        at, cols = slice(a, a + BLOCK_STEPS), steps[a:a + BLOCK_STEPS]
+        ph = {p: matrix(digests, lambda d, p=p: d.phases[p], cols) for p in OWN_PHASES}
+        own = np.nansum(np.stack([ph[p] for p in OWN_PHASES]), axis=0)  # (ranks x steps)
+        med_step[at] = np.nanmedian(matrix(digests, lambda d: d.step_s, cols), axis=0)
+        # Against the median of the other ranks (with two ranks, the other one's).
+        excess[:, at] = own - median_of_others(own)
+        for p in OWN_PHASES:
+            phase_med[p][at] = np.nanmedian(ph[p], axis=0)  # (the median rank's, per step)
+        slow[:, at] = excess[:, at] >= np.maximum(cfg.min_excess_s, cfg.min_excess_share * med_step[at])
+    return excess, slow, med_step, phase_med
 
 
 def median_of_others(x: np.ndarray) -> np.ndarray:

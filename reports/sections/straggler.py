@@ -30,19 +30,17 @@ def figure_for(ctx: Context, f: Finding) -> Figure | None:
     if f.rank not in ds or len(ds) < 2:
         return no_figure(title, "The ranks' step times could not be read.")
     steps = common_steps(ds)
-    order = sorted(ds)
-    i = order.index(f.rank)
-    own = matrix(ds, ranks.own_work, steps) * 1000
-    back = matrix(ds, lambda d: d.phases["backward"], steps) * 1000
-    others = np.delete(np.arange(len(order)), i)
+    ms = lambda series: lambda d: np.asarray(series(d), dtype=np.float64) * 1000  # noqa: E731
+    own, back = ms(ranks.own_work), ms(lambda d: d.phases["backward"])
+    mine, others = {f.rank: ds[f.rank]}, {r: d for r, d in ds.items() if r != f.rank}
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # (steps no other rank timed: a gap)
         lines = [
-            plots.Line(f"rank {f.rank}: own work", steps, own[i], emphasis=True, color="#c62828"),
-            plots.Line("others: own work (median)", steps, np.nanmedian(own[others], axis=0), color="#616161"),
-            plots.Line("others: backward (median)", steps, np.nanmedian(back[others], axis=0),
+            plots.Line(f"rank {f.rank}: own work", steps, matrix(mine, own, steps)[0], emphasis=True, color="#c62828"),
+            plots.Line("others: own work (median)", steps, ranks.median_rank(others, own, steps), color="#616161"),
+            plots.Line("others: backward (median)", steps, ranks.median_rank(others, back, steps),
                        color="#1565c0", style="--"),
-            plots.Line(f"rank {f.rank}: backward", steps, back[i], color="#ef9a9a", style=":"),
+            plots.Line(f"rank {f.rank}: backward", steps, matrix(mine, back, steps)[0], color="#ef9a9a", style=":"),
         ]
     caption = (f"Milliseconds per step (host clock). Solid: own work (waiting for data, between steps, forward), "
                f"rank {f.rank} in red against the median of the others in grey; dashed and dotted: the backward "
