@@ -21,8 +21,22 @@ def trailing_median(x: np.ndarray, w: int) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows give NaN, as wanted
         for a in range(0, len(x), rows):
-            out[a:a + rows] = np.nanmedian(windows[a:a + rows], axis=1)
+            out[a:a + rows] = row_nanmedian(windows[a:a + rows])
     return out
+
+
+def row_nanmedian(x: np.ndarray) -> np.ndarray:
+    """np.nanmedian(x, axis=1), exactly, without numpy's masked-array path for rows shorter than
+    600 (6x slower: 5 of a 1M-step analysis's 48 s; np.median's partition is 2x slower too). NaN sorts last: each row's median is the
+    middle of its first n values; all-NaN rows give NaN."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape[1] == 0:
+        return np.full(len(x), np.nan)
+    s = np.sort(x, axis=1)
+    n = (~np.isnan(s)).sum(axis=1)
+    rows = np.arange(len(s))
+    med = (s[rows, np.maximum((n - 1) // 2, 0)] + s[rows, n // 2]) / 2
+    return np.where(n > 0, med, np.nan)
 
 
 _BLOCK_VALUES = 1 << 21

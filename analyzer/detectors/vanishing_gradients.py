@@ -18,7 +18,7 @@ import numpy as np
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
-from ..series import trailing_median
+from ..series import row_nanmedian, trailing_median
 from ..trace import RankTrace
 from ..trace.gradients import grad_rms, median_grad_rms, weight_tensors
 from ._missing import no_gradients
@@ -122,7 +122,7 @@ def _early_to_late_per_step(rt: RankTrace, weights: list[int], early: slice,
         for a, block in rt.blocks("params/grad_norm"):
             rms = grad_rms(block[:, weights], numel)
             ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
-            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / np.nanmedian(rms[:, late], axis=1)
+            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / row_nanmedian(rms[:, late])
     return per_step, ok_rows
 
 
