@@ -79,7 +79,7 @@ def figures(ctx: Context) -> list[Figure]:
         caption = (f"One row per rank{' (groups of ranks: the most deviating of each)' if len(labels) < len(ranks) else ''}:"
                    f" {what}, against the median rank's at the same step (white: as the median rank; red: more; "
                    f"blue: less). {meaning} Grey: no step recorded (the rank's trace had ended). Triangles: the "
-                   f"findings of each rank.")
+                   f"findings of each rank.{_odd_in_groups(points, ranks, labels)}")
         height = float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5))
         out.append(figure(title, caption, plot_rank_heatmap, dev, nonfinite, missing, labels, x_edges,
                           points=_grouped_points(points, len(ranks), len(labels)), cbar_label="against the median rank",
@@ -189,6 +189,17 @@ def _bucketed(dev, nonfinite, missing, ranks, steps):
     cols = plots.bucket_edges(len(steps), MAX_COLS)
     return (*_by_rows(*_by_columns(dev, nonfinite, missing, cols), ranks),
             np.append(steps[cols[:-1]], steps[-1] + 1).astype(float))
+
+
+def _odd_in_groups(points, ranks: list[int], labels: list[str]) -> str:
+    """Where rows are groups of ranks, the ranks with findings named with their group's row
+    (" Ranks with findings: 17 (row ranks 11-21), 42 (row ranks 33-43)."), the first 12."""
+    if len(labels) == len(ranks) or not points:
+        return ""
+    edges = plots.bucket_edges(len(ranks), MAX_ROWS)
+    odd = sorted({i for i, _, _ in points})
+    named = [f"{ranks[i]} (row {labels[int(np.searchsorted(edges, i, 'right') - 1)]})" for i in odd[:12]]
+    return f" Ranks with findings: {', '.join(named)}{', ...' if len(odd) > 12 else ''}."
 
 
 def _grouped_points(points, n_ranks, n_rows):
