@@ -211,18 +211,9 @@ def _dead_shares(rt: RankTrace, min_seen_share: float) -> pd.DataFrame | None:
     labels = [_site_label(m, fn, c) for m, fn, c in zip(sites["module"], sites["function"], sites["call"])]
     counts = Counter(labels)
     labels = [lab if counts[lab] == 1 else f"{lab} [{i}]" for i, lab in enumerate(labels)]
-    a = sites["bit_offset"].to_numpy(dtype=np.int64)
-    b = a + sites["units"].to_numpy(dtype=np.int64)
     rows, starts, ends = [], [], []
-    for start, end, seen, bits, _, watched in rt.activity_windows():
-        length = watched  # the steps of the window its sites could be seen on
-        alive = np.concatenate([[0], np.cumsum(bits)])
-        seen = np.asarray(seen, dtype=np.float64)
-        seen_j = np.where(np.arange(len(a)) < len(seen), np.resize(seen, len(a)) if len(seen) else 0.0, 0.0)
-        ok = (seen_j >= min_seen_share * length) & (b > a) & (length > 0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = 1.0 - (alive[np.minimum(b, len(bits))] - alive[np.minimum(a, len(bits))]) / (b - a)
-        rows.append(np.where(ok, share, np.nan))
+    for start, end, judged, _, share in rt.dead_unit_windows(sites, min_seen_share):
+        rows.append(np.where(judged, share, np.nan))  # judged as the detector judges them
         starts.append(start)
         ends.append(end)
     if not rows:

@@ -13,7 +13,7 @@ from ..analyzer.cross_rank.aligned import matrix
 from ..analyzer.cross_rank.digest import RankDigest, digest_of
 from ..analyzer.cross_rank.hang import where_stopped
 from ..analyzer.cross_rank.merge import rank_set
-from ..analyzer.trace.liveness import PHASES
+from ..analyzer.trace.phases import PHASES
 from . import plots
 from .context import Context, figure, no_figure
 from .model import Figure, Table

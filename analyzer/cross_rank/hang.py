@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
-from ..trace.liveness import PHASES
+from ..trace.phases import PHASES
 from .merge import rank_set
 
 

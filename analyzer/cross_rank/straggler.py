@@ -21,11 +21,10 @@ import numpy as np
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
+from ..trace.phases import SPENT_IN
 from .aligned import common_steps, matrix
 
 OWN_PHASES = ("data", "between_steps", "forward")
-PHASE_WORDS = {"data": "waiting for its data (DataLoader)", "between_steps": "work between steps",
-               "forward": "the forward pass", "backward": "backward and optimizer"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
             KIND, "warning", first, [],
             f"Rank {r} is a straggler from step {first:,}: on {n_slow:,} steps (to step {last:,}) its own work took "
             f"{ex:.3g} s longer than the median rank's ({100 * ex / med:.0f}% of a {med:.3g} s step), most of it "
-            f"in {PHASE_WORDS[phase]}{waited}.",
+            f"in {SPENT_IN[phase]}{waited}.",
             {"phase": phase, "excess_s": ex, "median_step_s": med, "slow_steps": n_slow, "last_slow_step": last,
              "others_wait_s": wait},
             _ADVICE[phase], rank=r))

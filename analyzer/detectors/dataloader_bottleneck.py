@@ -16,7 +16,8 @@ from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..series import trailing_median
 from ..trace import RankTrace
-from ..trace.step_time import PHASES, phases
+from ..trace.phases import TIMED
+from ..trace.step_time import phases
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def detect(rt: RankTrace, cfg: DataloaderBottleneckConfig) -> list[Finding]:
     above = trailing_median(share, 10) >= cfg.share
     below = np.flatnonzero(~above & ok)
     begin = int(below[-1] + 1) if below.size and below[-1] + 1 < len(share) else int(np.flatnonzero(ok)[0])
-    med = {p: float(np.nanmedian(t[ok, k])) for k, p in enumerate(PHASES)}
+    med = {p: float(np.nanmedian(t[ok, k])) for k, p in enumerate(TIMED)}
     med_wait = float(np.nanmedian(wait[ok]))
     step = int(rt.step_index[begin])
     summary = (f"The input pipeline is the bottleneck: {median_share:.0%} of the median step "

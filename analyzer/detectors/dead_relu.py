@@ -20,6 +20,7 @@ import numpy as np
 from ..display import ordinal
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
+from ..trace.site_tables import unit_layout
 
 
 @dataclass(frozen=True)
@@ -105,45 +106,22 @@ class _Scan:
     latest_alive: np.ndarray  # per unit: positive in its site's latest judged window
 
 
-def _unit_layout(sites) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """(site of each unit, its bit in a window's activity bits, bounds, whether the bits are
-    exactly ours in order). The judged sites' units, concatenated: per-unit state is kept in flat
-    arrays and every window is one vectorised update (a long run has tens of thousands of windows)."""
-    offsets = sites["bit_offset"].to_numpy(dtype=np.int64)
-    units = sites["units"].to_numpy(dtype=np.int64)
-    site_of_unit = np.repeat(np.arange(len(sites)), units)
-    bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)])
-    bounds = np.concatenate([[0], np.cumsum(units)])
-    contiguous = bool(np.array_equal(bit_of_unit, np.arange(len(bit_of_unit))))  # the usual layout
-    return site_of_unit, bit_of_unit, bounds, contiguous
-
-
 def _scan_windows(rt: RankTrace, sites, cfg: DeadReluConfig) -> _Scan:
-    site_of_unit, bit_of_unit, bounds, contiguous = _unit_layout(sites)
-    units = sites["units"].to_numpy(dtype=np.int64)
-    n_units, n_sites = len(bit_of_unit), len(sites)
+    site_of_unit, bounds = unit_layout(sites)
+    n_units, n_sites = len(site_of_unit), len(sites)
     ever_alive = np.zeros(n_units, dtype=bool)
     last_alive_end = np.full(n_units, -1, dtype=np.int64)
     last_alive_start = np.full(n_units, -1, dtype=np.int64)
     first_cross = np.full(n_sites, -1, dtype=np.int64)
-    site_rows = sites.index.to_numpy()
     # A window with no watched step judges nothing: each site keeps its latest judged one.
     lat_start = np.full(n_sites, -1, dtype=np.int64)
     lat_end = np.full(n_sites, -1, dtype=np.int64)
     lat_share = np.full(n_sites, np.nan)
     lat_alive = np.zeros(n_units, dtype=bool)
-    for start, end, seen, bits, _, watched in rt.activity_windows():
-        length = watched  # the steps of the window its sites could be seen on
-        site_seen = np.where(site_rows < len(seen), np.asarray(seen)[np.minimum(site_rows, len(seen) - 1)], 0) \
-            if len(seen) else np.zeros(n_sites)
-        judged = (site_seen >= cfg.min_seen_share * length) & (length > 0)
-        ours = bits[:n_units] if contiguous else bits[bit_of_unit]
-        alive = ours & judged[site_of_unit]
+    for start, end, judged, alive, share in rt.dead_unit_windows(sites, cfg.min_seen_share):
         last_alive_end[alive] = end
         last_alive_start[alive] = start
         ever_alive |= alive
-        alive_count = np.concatenate([[0], np.cumsum(alive)])
-        share = 1.0 - (alive_count[bounds[1:]] - alive_count[bounds[:-1]]) / units
         crossed = judged & (share >= cfg.warning_share)
         first_cross = np.where(crossed & (first_cross < 0), start, first_cross)
         first_cross = np.where(judged & ~crossed, -1, first_cross)  # recovered: only a share lasting to the end counts

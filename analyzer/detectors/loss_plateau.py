@@ -26,7 +26,8 @@ import numpy as np
 from ..findings import Evidence as BaseEvidence, Finding
 from ..series import trailing_median
 from ..trace import RankTrace
-from .loss_divergence import loss_series, no_loss
+from ..trace.losses import loss_series
+from .loss_divergence import no_loss
 from ._thresholds import check_bounds as _check
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..findings import Evidence as BaseEvidence, Finding
 from ..trace import RankTrace
-from .loss_divergence import loss_series
+from ..trace.losses import loss_series
 from ._thresholds import check_bounds as _check
 
 

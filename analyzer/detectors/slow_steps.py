@@ -21,7 +21,8 @@ import numpy as np
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..trace import RankTrace
-from ..trace.step_time import PHASE_NAMES, PHASES, phases
+from ..trace.phases import TIMED, TIMED_NAMES
+from ..trace.step_time import phases
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ MIB = 2**20
 MEMORY_JUMP_BYTES = 64 * MIB
 # The phases a slow step's time is split into (columns of _StepRecord.parts): the time between
 # steps splits into the DataLoader's wait (when one was used) and the rest of the loop's work.
-PART_NAMES = ["waiting for data", "other work between steps"] + [PHASE_NAMES[p] for p in PHASES[1:]]
-_RECORDER = PART_NAMES.index(PHASE_NAMES["recorder_s"])
+PART_NAMES = ["waiting for data", "other work between steps"] + [TIMED_NAMES[p] for p in TIMED[1:]]
+_RECORDER = PART_NAMES.index(TIMED_NAMES["recorder_s"])
 _JUMP_COLUMNS = (("rss_bytes", "resident memory"), ("cuda_reserved_bytes", "CUDA reserved memory"),
                  ("cuda_allocated_bytes", "CUDA allocated memory"))
 

@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 
 from .format import parse_json
-
-PHASES = ("between_steps", "data", "forward", "backward", "recorder")  # in the order a step runs them
+from .phases import PHASES
 MAX_FRAMES = 64
 
 

@@ -56,6 +56,28 @@ class SiteTables:
                 yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
                        bits[:n_bits].astype(bool), t["saturated_frac"][i], int(t["steps_watched"][i]))
 
+    def dead_unit_windows(self, sites: pd.DataFrame, min_seen_share: float):
+        """The dead-unit view that dead_relu judges and the report draws, for ``sites`` (rows of
+        activity_sites): per activity window, oldest first, (step_start, step_end, judged per
+        site: seen on at least ``min_seen_share`` of the window's watched steps, alive per unit of
+        the sites in order (unit_layout): positive in the window and its site judged, and per
+        site the share of its units never positive in the window)."""
+        site_of_unit, bounds = unit_layout(sites)
+        offsets = sites["bit_offset"].to_numpy(dtype=np.int64)
+        units = np.diff(bounds)
+        bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)] or [np.zeros(0, np.int64)])
+        contiguous = bool(np.array_equal(bit_of_unit, np.arange(len(bit_of_unit))))  # the usual layout
+        rows, n_units = sites.index.to_numpy(), len(bit_of_unit)
+        for start, end, seen, bits, _, watched in self.activity_windows():
+            site_seen = np.where(rows < len(seen), np.asarray(seen)[np.minimum(rows, len(seen) - 1)], 0) \
+                if len(seen) else np.zeros(len(rows))
+            judged = (site_seen >= min_seen_share * watched) & (watched > 0)
+            alive = (bits[:n_units] if contiguous else bits[bit_of_unit]) & judged[site_of_unit]
+            alive_count = np.concatenate([[0], np.cumsum(alive)])
+            with np.errstate(invalid="ignore", divide="ignore"):  # (a site of 0 units: NaN)
+                share = 1.0 - (alive_count[bounds[1:]] - alive_count[bounds[:-1]]) / units
+            yield start, end, judged, alive, share
+
     # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
     # its width by this much, no more.
     _SITE_MARGIN = 1 << 16
@@ -137,3 +159,11 @@ class SiteTables:
         """The shape and dtype of each module's first floating-point output: module (name),
         module_index, shape (str), dtype, grad_fn (the op that made it; "" if none or unknown)."""
         return self._sites("module_outputs", ("module", "shape", "dtype", "grad_fn"), "shape", "dtype", "grad_fn")
+
+
+def unit_layout(sites: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(the site of each unit, bounds: site j's units are bounds[j]:bounds[j + 1]) of the units
+    of ``sites`` concatenated: per-unit state is kept in flat arrays and every window is one
+    vectorised update (a long run has tens of thousands of windows)."""
+    units = sites["units"].to_numpy(dtype=np.int64)
+    return np.repeat(np.arange(len(sites)), units), np.concatenate([[0], np.cumsum(units)])

@@ -7,14 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..trace import RankTrace
-
-PHASES = ("between_steps_s", "forward_s", "backward_s", "recorder_s")
-PHASE_NAMES = {"between_steps_s": "between steps (data loading and other loop code)", "forward_s": "forward",
-               "backward_s": "backward and optimizer", "recorder_s": "recorder"}
+from .phases import TIMED
 
 
 def phases(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     """(steps x 4 phase times, total per step) with NaN rows where a phase was not timed."""
     df = rt.columns
-    t = np.stack([df[c].to_numpy(dtype=float) for c in PHASES], axis=1)
+    t = np.stack([df[c].to_numpy(dtype=float) for c in TIMED], axis=1)
     return t, t.sum(axis=1)

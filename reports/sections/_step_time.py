@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...analyzer.trace.step_time import PHASE_NAMES, PHASES
+from ...analyzer.trace.phases import TIMED, TIMED_NAMES
 from ...analyzer.trace import RankTrace
 from .. import plots
 from ..context import Context, figure, no_figure, read_or_none
@@ -16,7 +16,7 @@ COLORS = ("#ef6c00", "#1f77b4", "#2ca02c", "#9e9e9e")  # the first phase (data l
 
 def phase_list() -> str:
     """The phases, in words, as the legend names them."""
-    names = [PHASE_NAMES[p] for p in PHASES]
+    names = [TIMED_NAMES[p] for p in TIMED]
     return ", ".join(names[:-1]) + " and " + names[-1]
 
 
@@ -35,14 +35,14 @@ def _layers(rt: RankTrace, split: bool):
     def ms(name):
         return np.nan_to_num(rt.columns[name].to_numpy(dtype=np.float64), nan=0.0) * 1e3
 
-    for p in PHASES:
+    for p in TIMED:
         if p == "between_steps_s" and split:
             between = ms(p)
             waited = np.clip(ms("data_wait_s"), 0.0, between)
             yield "waiting for the DataLoader", waited
             yield "other work between steps (idle)", between - waited
         else:
-            yield PHASE_NAMES[p], ms(p)
+            yield TIMED_NAMES[p], ms(p)
 
 
 def step_time_figure(ctx: Context, rt: RankTrace, title: str, caption: str, *, hlines=(), points=None,

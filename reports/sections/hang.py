@@ -7,6 +7,7 @@ import numpy as np
 
 from ...analyzer.cross_rank import hang
 from ...analyzer.findings import Finding
+from ...analyzer.trace.phases import STOPPED_IN
 from ..context import Context, figure, no_figure
 from ..model import Figure, Text
 from .. import ranks
@@ -18,8 +19,6 @@ PHASE_COLORS = {"data": "#ef6c00", "between_steps": "#ffb74d", "forward": "#c628
                 "recorder": "#757575", "": "#9e9e9e"}
 
 
-_PHASES = {"between_steps": "start", "data": "data loading", "forward": "forward",
-           "backward": "backward (or optimizer step)", "recorder": "rec.step()"}
 
 
 def phrase(fs: list[Finding]) -> Text:
@@ -27,7 +26,7 @@ def phrase(fs: list[Finding]) -> Text:
     ev: hang.Evidence = f.evidence
     # (the verdict adds "on rank N" to a finding's phrase: not named here)
     who = "the job stopped" if f.rank is not None else "every rank stopped"
-    phase = _PHASES.get(ev.get("phase") or "", "start")
+    phase = STOPPED_IN.get(ev.get("phase") or "", "start")
     return text(f"{who} in {step(f.step)}'s {phase}"
                 + (f" at {ev.get('at')}" if ev.get("at") else ""))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...analyzer.detectors import initial_loss
-from ...analyzer.detectors.loss_divergence import loss_series
+from ...analyzer.trace.losses import loss_series
 from ...analyzer.findings import Finding
 from .. import plots
 from ..context import Context, figure, no_figure

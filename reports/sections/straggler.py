@@ -9,6 +9,7 @@ import numpy as np
 from ...analyzer.cross_rank import straggler
 from ...analyzer.cross_rank.aligned import common_steps, matrix
 from ...analyzer.findings import Finding
+from ...analyzer.trace.phases import SPENT_IN
 from .. import plots, ranks
 from ..context import Context, figure, no_figure
 from ..model import Figure, Text
@@ -21,7 +22,7 @@ def phrase(fs: list[Finding]) -> Text:
     f = fs[0]
     ev: straggler.Evidence = f.evidence
     return text(f"rank {f.rank} straggled from {step(f.step)} ({num(ev.get('excess_s'))} s a step more, in "
-                f"{straggler.PHASE_WORDS.get(ev.get('phase'), 'its own work')})")
+                f"{SPENT_IN.get(ev.get('phase'), 'its own work')})")
 
 
 def figure_for(ctx: Context, f: Finding) -> Figure | None:

@@ -56,7 +56,7 @@ def test_no_loss_passed(tmp_path):
     assert findings(tmp_path, KIND) == []
 
 
-NOT_GIVEN_BUG = ("loss_divergence.loss_series ignores steps/loss_given: a step whose loss was not passed "
+NOT_GIVEN_BUG = ("trace.losses.loss_series ignores steps/loss_given: a step whose loss was not passed "
                  "(NaN, loss_given 0) in a trace without gradients counts as a NaN loss")
 
 
