@@ -29,11 +29,11 @@ class StepPlan(NamedTuple):
     activations: bool = False  # every module's outputs, units and attention heads measured
     histograms: bool = False  # histograms of the chosen modules' outputs
     tensors: bool = False  # whole outputs of the sampled modules (tensors.py)
+    watched: bool = False  # every module hooked (hooks.py): any of the three (plan())
 
-    @property
-    def watched(self) -> bool:
-        """Every module hooked (hooks.py): any of the three."""
-        return self.activations or self.histograms or self.tensors
+
+def plan(step: int, activations: bool, histograms: bool, tensors: bool) -> StepPlan:
+    return StepPlan(step, activations, histograms, tensors, activations or histograms or tensors)
 
 
 class Probe:

@@ -30,7 +30,7 @@ from .memory_probe import MemoryProbe
 from .nan_origin import NanOrigin
 from .param_stats import ParamStats
 from .planner import StepPlanner
-from .probe import Probe, StepPlan
+from .probe import Probe, StepPlan, plan as make_plan
 from .profiler import ProfilerWindows, own_work
 from .root_hooks import RootHooks, TrainMode
 from .schedule import OptimizerSchedule
@@ -263,9 +263,9 @@ class Recorder:
         every module is hooked if it records anything per module (a watched step; other steps
         hook only the root, see hooks.py)."""
         planner, samples = self.planner, self.captures.samples
-        plan = self._plan = StepPlan(step, step >= planner.next_watch,
-                                     bool(self.config.histogram_every) and step == planner.next_hist,
-                                     samples is not None and samples.due(step))
+        plan = self._plan = make_plan(step, step >= planner.next_watch,
+                                      bool(self.config.histogram_every) and step == planner.next_hist,
+                                      samples is not None and samples.due(step))
         watched = plan.watched
         if watched or self._watched:  # (from one plain step to the next nothing changes)
             functional.watching(self._observer, watched)

@@ -12,10 +12,10 @@ import h5py
 import numpy as np
 
 from .. import trace_schema
-from ..trace_schema import FORMAT_NAME, SCHEMA_VERSION  # noqa: F401 (the recorder's names for them)
 # The torch.profiler range around the recorder's own work inside a profiler window: the window's
 # operator table folds what runs inside it into one row of this name (profiler.py).
 OWN_WORK_RANGE = "torchautopsy.recorder"
+FORMAT_NAME, SCHEMA_VERSION = trace_schema.FORMAT_NAME, trace_schema.SCHEMA_VERSION  # (the recorder's names)
 
 STR = h5py.string_dtype("utf-8")
 

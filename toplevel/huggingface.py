@@ -1,3 +1,5 @@
 """``Trainer(..., callbacks=[TorchAutopsyCallback("runs/exp1")])`` for transformers (imports it)."""
 
-from .recorder.integrations.huggingface import TorchAutopsyCallback  # noqa: F401
+from .recorder.integrations.huggingface import TorchAutopsyCallback
+
+__all__ = ["TorchAutopsyCallback"]

@@ -1,3 +1,5 @@
 """``Trainer(callbacks=[TorchAutopsyCallback("runs/exp1")])`` for ``lightning`` (imports it)."""
 
-from .recorder.integrations.lightning import LightningCallback as TorchAutopsyCallback  # noqa: F401
+from .recorder.integrations.lightning import LightningCallback as TorchAutopsyCallback
+
+__all__ = ["TorchAutopsyCallback"]

@@ -1,3 +1,5 @@
 """``Trainer(callbacks=[TorchAutopsyCallback("runs/exp1")])`` for ``pytorch_lightning`` (imports it)."""
 
-from .recorder.integrations.lightning import PytorchLightningCallback as TorchAutopsyCallback  # noqa: F401
+from .recorder.integrations.lightning import PytorchLightningCallback as TorchAutopsyCallback
+
+__all__ = ["TorchAutopsyCallback"]
