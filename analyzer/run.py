@@ -122,17 +122,22 @@ def checked_kinds(findings: list[Finding], n_ranks: int = 1) -> tuple[str, ...]:
 
 
 def not_checked_line(findings: list[Finding]) -> str | None:
-    """One line for every detector that could not judge the trace: what each lacks (the reports
-    print it instead of a finding each)."""
-    lacking: dict[str, list[str]] = {}
+    """One line for every detector that could not judge the trace, and why: the columns it lacks
+    (an older recorder's trace), or what its data lacked (no gradient, no loss given), detectors of
+    one reason together (the reports print it instead of a finding each)."""
+    why: dict[str, list[str]] = {}
     for f in findings:
         if not_checked(f):
-            names = lacking.setdefault(f.kind, [])
-            names += [n for n in f.evidence.get("lacking", []) if n not in names]
-    if not lacking:
+            reasons = why.setdefault(f.kind, [])
+            said = f.evidence.get("lacking") or [f.summary.split("not checked: ", 1)[-1].rstrip(".")]
+            reasons += [n for n in said if n not in reasons]
+    if not why:
         return None
+    kinds_of: dict[str, list[str]] = {}
+    for kind, reasons in why.items():
+        kinds_of.setdefault(", ".join(reasons), []).append(kind)
     return ("Not checked, as this trace does not hold what they need: "
-            + "; ".join(f"{kind} ({', '.join(names)})" for kind, names in lacking.items()) + ".")
+            + "; ".join(f"{', '.join(kinds)} ({reasons})" for reasons, kinds in kinds_of.items()) + ".")
 
 
 def _not_checked(kind: str, lacking: list[str]) -> list[Finding]:

@@ -37,7 +37,7 @@ def test_a_trace_lacking_a_filled_column_does_not_count_its_detectors_as_checked
     assert all(name in said[kind] for kind in needing), said
     line = not_checked_line(found)
     assert line.startswith("Not checked, as this trace does not hold what they need: ")
-    assert all(f"{kind} (" in line for kind in needing) and name in line
+    assert all(kind in line for kind in needing) and name in line  # (detectors of one reason: "a, b (...)")
 
 
 def test_a_trace_holding_every_column_is_checked_by_every_detector(tmp_path):
@@ -61,3 +61,13 @@ def test_the_reports_say_it_in_one_line_not_a_finding_each(tmp_path):
     report = build_report(trace, found)  # the HTML's and the PDF's: in the verdict, not as findings
     assert report.verdict.not_checked == not_checked_line(found) and report.verdict.n_notes == 0
     assert not any("not checked" in v.summary for v in report.findings)
+
+
+def test_a_detector_whose_data_lacked_something_says_what_in_the_line(tmp_path):
+    """Not checked for want of the run's data, not of a column (no gradient at rec.step(), no loss
+    given): the line gives that reason, once for the detectors that share it."""
+    TraceBuilder.mlp(layers=3, steps=40).write(tmp_path)  # no gradient, no loss given
+    line = not_checked_line(findings(tmp_path))
+    assert "exploding_gradients, vanishing_gradients (no parameter had a gradient when rec.step() was called" in line
+    assert "loss_divergence, loss_plateau (rec.step() was not given the loss in any of the 40 steps" in line
+    assert " ()" not in line  # (a reason for every kind)
