@@ -51,7 +51,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
     share = Shared()
     if n <= 1 or len(ranks) < 2 or sharded:
         for done, r in enumerate(ranks):
-            results[r] = share(_held_pass(trace, r, rank_pass))
+            results[r] = share(_own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)))
             if progress:
                 progress(done + 1, len(ranks))
         return results
@@ -62,7 +62,8 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
         with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(_one_rank, trace.run_dir, files[r], r, rank_pass, passed[r]): r for r in ranks}
             for fut in as_completed(futures):
-                results[futures[fut]] = share(fut.result())  # (a TraceError raised there is raised here: one line, exit 2)
+                r = futures[fut]
+                results[r] = share(_own_problem(trace, r, fut.result))
                 if progress:
                     progress(len(results), len(ranks))
     except (OSError, NotImplementedError, BrokenProcessPool):
@@ -70,7 +71,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], worker
         # (by the OOM killer): the ranks not yet read are read here, one at a time.
         for r in ranks:
             if r not in results:
-                results[r] = share(_held_pass(trace, r, rank_pass))
+                results[r] = share(_own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)))
                 if progress:
                     progress(len(results), len(ranks))
     return dict(sorted(results.items()))
@@ -102,6 +103,19 @@ class Shared:
                     kept.flags.writeable = False
                 setattr(digest, name, kept)
         return result
+
+
+def _own_problem(trace: Trace, rank: int, result: Callable[[], RankResult]) -> RankResult:
+    """result(); a rank file found unusable only now (by a detector's read, after the files were
+    opened) is that rank's "could not read" when the run has other ranks (as on a Dask cluster),
+    the run's one line and exit 2 when it is the only one."""
+    try:
+        return result()
+    except TraceError as e:
+        if len(trace.attempts) < 2:
+            raise
+        path = trace.attempts[rank][0].trace.path
+        return [could_not_read(rank, path, str(e).removeprefix(f"{path}: "))], None
 
 
 def could_not_read(rank: int | None, file: str, why: str) -> Finding:

@@ -37,3 +37,45 @@ def test_workers_that_cannot_start_leave_the_ranks_to_this_process():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FileNotFoundError" in r.stderr  # (the spawned worker's own death, before any rank)
     assert r.stdout.strip() == "[('dataloader_bottleneck', 1, 64), ('straggler', 1, 60)]", r.stdout
+
+
+def _damaged_after_opening(tmp_path, ranks):
+    """A run whose rank 1 (or only rank) holds strings in steps/rss_bytes: the file opens and
+    lists its tables; the memory detectors' read finds it damaged."""
+    import h5py
+
+    from tests.tracebuilder import TraceBuilder
+
+    for r in range(ranks):
+        TraceBuilder.mlp(layers=3, steps=40, rank=r, world_size=ranks).loss(1.0).total_grad_norm(1.0).write(tmp_path)
+    with h5py.File(tmp_path / f"rank{min(1, ranks - 1)}.h5", "r+") as f:
+        data = f["steps/rss_bytes"][()]
+        del f["steps/rss_bytes"]
+        f.create_dataset("steps/rss_bytes", data=data.astype("S8"), maxshape=(None,), chunks=True)
+
+
+def test_a_rank_file_found_damaged_by_a_detector_is_that_ranks_problem(tmp_path):
+    """Issue 38 (4): the local path as the Dask path: a rank file found unusable after it was
+    opened is that rank's "could not read", the other ranks analyzed, in workers and in one process."""
+    from torchautopsy.analyzer.run import analyze
+    from torchautopsy.analyzer.trace import load
+
+    _damaged_after_opening(tmp_path, 3)
+    for workers in (2, 1):
+        found = analyze(load(str(tmp_path)), workers=workers)
+        bad = [f for f in found if f.kind == "unreadable_rank"]
+        assert [(f.rank, f.evidence["file"]) for f in bad] == [(1, str(tmp_path / "rank1.h5"))], found
+        assert bad[0].summary == f"{tmp_path / 'rank1.h5'}: steps/rss_bytes holds |S8, not numbers; the trace is damaged"
+        assert set(load(str(tmp_path)).ranks) == {0, 1, 2}
+
+
+def test_the_only_rank_found_damaged_stops_the_analysis_in_one_line(tmp_path):
+    import pytest
+
+    from torchautopsy.analyzer.errors import TraceError
+    from torchautopsy.analyzer.run import analyze
+    from torchautopsy.analyzer.trace import load
+
+    _damaged_after_opening(tmp_path, 1)
+    with pytest.raises(TraceError, match="steps/rss_bytes holds"):
+        analyze(load(str(tmp_path)), workers=2)
