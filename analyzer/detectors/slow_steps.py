@@ -125,6 +125,7 @@ class _StepRecord:
     in_window: np.ndarray  # in a profiler window or its export
     census: np.ndarray  # a tensor census ran
     snapshot_steps: set  # steps with a CUDA allocator snapshot
+    blackbox_steps: set  # the step the black box kept (it copied the model's state inside the step)
     gc_s: np.ndarray
     gc_gen2: np.ndarray  # full collections
     jumps: dict  # {memory label: per-step jump in bytes, 0 where none}
@@ -140,6 +141,7 @@ def _read_steps(rt: RankTrace, t: np.ndarray, total: np.ndarray, base: np.ndarra
         steps=rt.step_index, total=total, parts=parts, median_parts=np.nanmedian(parts[base], axis=0),
         in_window=in_window, census=df["live_tensors"].to_numpy() >= 0,
         snapshot_steps=set(int(s) for s in snaps["step"]) if len(snaps) else set(),
+        blackbox_steps=set(int(s) for s in rt.blackbox["step"]),
         gc_s=df["gc_s"].to_numpy(dtype=float), gc_gen2=df["gc_gen2"].to_numpy(),
         jumps={label: _jumps(df[c].to_numpy()) for c, label in _JUMP_COLUMNS})
 
@@ -156,9 +158,10 @@ def _measure(r: _StepRecord, i: int, median: float) -> dict:
                              for j in np.argsort(-np.nan_to_num(grew, nan=-np.inf))
                              if np.isfinite(grew[j]) and grew[j] >= 0.2 * excess},
             "coincided_with": _coincided(r, i, excess),
-            # Expected: the recorder's own probes (its time, a profiler window) or the first step.
-            "expected": bool(i == 0 or r.in_window[i] or (np.isfinite(grew[_RECORDER])
-                                                          and grew[_RECORDER] >= 0.5 * excess))}
+            # Expected: the recorder's own probes (its time, a profiler window, the black box's
+            # copies, made inside the step: at the optimizer step) or the first step.
+            "expected": bool(i == 0 or r.in_window[i] or int(r.steps[i]) in r.blackbox_steps
+                             or (np.isfinite(grew[_RECORDER]) and grew[_RECORDER] >= 0.5 * excess))}
 
 
 def _coincided(r: _StepRecord, i: int, excess: float) -> list[str]:
@@ -172,6 +175,8 @@ def _coincided(r: _StepRecord, i: int, excess: float) -> list[str]:
         also.append("a tensor census")
     if int(r.steps[i]) in r.snapshot_steps:
         also.append("a CUDA allocator snapshot")
+    if int(r.steps[i]) in r.blackbox_steps:
+        also.append("the black box keeping the step's state")
     for label, j in r.jumps.items():
         if j[i]:
             also.append(f"{label} {'+' if j[i] > 0 else '-'}{abs(j[i]) / MIB:,.0f} MiB")

@@ -43,3 +43,19 @@ def test_older_trace_without_step_times(tmp_path):
                                                      "steps/backward_s", "steps/recorder_s").write(tmp_path)
     [f] = findings(tmp_path, KIND)  # (read as "not timed": not judged)
     assert f.severity == "info" and "not checked" in f.summary and f.evidence["lacking"] == ["steps/forward_s"]
+
+
+def test_the_step_the_black_box_kept_is_expected(tmp_path):
+    """The black box copies the model's state inside the bad step (at the optimizer step): that
+    step's backward-and-optimizer time is the recorder's, not the job's."""
+    import h5py
+
+    from tests.helpers import SAMPLES
+
+    run().set("steps/backward_s", 1.0, at=60).write(tmp_path)
+    (f,) = findings(tmp_path, KIND)  # without a black box: the job's own slow step
+    assert f.step == 60
+    with h5py.File(SAMPLES / "nan_birth" / "rank0.h5", "r") as src, h5py.File(tmp_path / "rank0.h5", "r+") as dst:
+        src.copy(src["blackbox"], dst, "blackbox")  # (the black box of a real run, at its step 60)
+        assert list(dst["blackbox/step"][()]) == [60]
+    assert findings(tmp_path, KIND) == []
