@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, SAMPLES, run_cli
+from tests.tracebuilder import TraceBuilder
 
 NAN = SAMPLES / "nan_birth"
 MANY = SAMPLES / "exploding_lr"  # four findings with long summaries, and a black box
@@ -229,7 +230,10 @@ def test_piped_output_is_not_wrapped(tmp_path):
     lines = r.stdout.splitlines()
     for f in told_one_each(findings_of(MANY, tmp_path)):
         assert f"      {f['summary']}" in lines  # one line each, for grep
-    assert any(line.startswith("  Not checked, as this trace does not hold what they need: ") for line in lines)
+    TraceBuilder.mlp(layers=3, steps=40).write(tmp_path / "bare")  # no gradient, no loss: "Not checked"
+    lines = module("analyze", tmp_path / "bare", COLUMNS="60").stdout.splitlines()
+    assert any(line.startswith("  Not checked, as this trace does not hold what they need: ") and len(line) > 60
+               for line in lines)
 
 
 def test_info_wraps_under_its_values_on_a_terminal():
