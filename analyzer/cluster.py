@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from .errors import ClusterError
-from .parallel import RankResult, Shared, _held_pass, _one_rank, could_not_read
+from .parallel import RankResult, Shared, _held_pass, _one_rank, _own_problem, could_not_read
 from .trace import Trace, safety
 from .trace.shards import WholeParams
 
@@ -103,7 +103,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
     ranks = list(trace.attempts)
     if any(isinstance(rt, WholeParams) for rt in trace.ranks.values()):
         # Sharded parameters (FSDP2): each rank's figures combine every rank's shards, read here.
-        return {r: _held_pass(trace, r, rank_pass) for r in ranks}
+        return {r: _own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)) for r in ranks}
     from distributed import as_completed
 
     files = {r: [a.trace.path for a in trace.attempts[r]] for r in ranks}
