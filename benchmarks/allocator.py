@@ -84,7 +84,7 @@ def child(config: str, steps: int, warmup: int) -> dict:
             from torchautopsy import Recorder
             if config in ("recorder-trim", "recorder-free"):
                 # after the window's export, on the writer thread: malloc_trim(0), or its results freed
-                from torchautopsy.recorder import profiler as _profiler
+                from torchautopsy.recorder.profiler import profile_windows as _profiler
                 task = _profiler._task
 
                 def after(prof, *a):

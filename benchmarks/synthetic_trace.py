@@ -3,7 +3,7 @@
     python benchmarks/synthetic_trace.py OUT_DIR --steps 1000000 --params 200 [--modules 200]
                                          [--explode-at STEP]
 
-The layout, dtypes and chunking are the recorder's own (recorder/writer.py writes it); only the
+The layout, dtypes and chunking are the recorder's own (recorder/trace_file/writer.py writes it); only the
 numbers are made up, with the recorder's default schedules: a run whose gradient norms wander
 around a per-layer level, loss decaying with noise, memory flat; activations, update ratios and
 attention sampled every 10 steps; ReLU activity windows of 50 steps; a tensor census every 50
@@ -26,8 +26,8 @@ import time
 import numpy as np
 
 from torchautopsy import trace_schema
-from torchautopsy.recorder.schema import FORMAT_NAME, SCHEMA_VERSION, table_layout
-from torchautopsy.recorder.writer import TraceWriter
+from torchautopsy.recorder.trace_file.schema import FORMAT_NAME, SCHEMA_VERSION, table_layout
+from torchautopsy.recorder.trace_file.writer import TraceWriter
 
 BLOCK = 20_000  # steps generated and written at a time: memory stays bounded
 

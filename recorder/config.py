@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RecorderConfig:
-    # Watched steps: every module is hooked (recorder/hooks.py) for its output's finite check and
+    # Watched steps: every module is hooked (recorder/forward/module_watcher.py) for its output's finite check and
     # max |x|, activation statistics (mean, std, zero share) and per-unit activity, and attention
     # statistics. Other steps hook only the root module: a NaN/Inf is still seen on its step (loss
-    # and gradient norms), and its module found by replaying the step (recorder/replay.py).
+    # and gradient norms), and its module found by replaying the step (recorder/blackbox/replay.py).
     # Every `activations_every`-th step (or `attention_every`-th, the smaller) in the first
     # `watch_warmup` steps; then as often as that allows, but sparser if watched steps would add
     # more than `watch_budget` of the training time, though never sparser than one per activity
@@ -26,7 +26,7 @@ class RecorderConfig:
     # How a watched step reduces what it measures: None (on a GPU, a fixed number of foreach ops
     # for all modules at once, a kernel launch being what a launch-bound step pays; on the CPU,
     # per tensor, faster there), True (fused anywhere: how benchmarks/op_counts.py counts the GPU's
-    # ops on the CPU), False (per tensor anywhere). See recorder/watch_batch.py.
+    # ops on the CPU), False (per tensor anywhere). See recorder/reductions/fused.py.
     fused_reductions: bool | None = None
     # Update-to-weight ratio ||w_after - w_before|| / ||w_before||. It needs a copy of the
     # weights taken one step earlier, so it is sampled: every `update_ratio_every`-th step in the
@@ -49,7 +49,7 @@ class RecorderConfig:
     # collector's object list: every 50 steps at most, and less often if a census would take more
     # than census_budget of the training time. It reads every object Python tracks (a process
     # that imported torch has hundreds of thousands), so jobs of short steps take one rarely.
-    # Memory climbing to a new high takes one too (memory_probe.py).
+    # Memory climbing to a new high takes one too (memory/memory_probe.py).
     census_every: int = 50
     # Share of the training time the census may take; sparser than census_every if needed.
     census_budget: float = 0.0015
@@ -60,7 +60,7 @@ class RecorderConfig:
     profile_first: int = 10
     profile_steps: int = 2
     profile_every: int = 1000
-    # CUDA only: the caching allocator's own record (cuda_memory.py). Its history of allocations
+    # CUDA only: the caching allocator's own record (memory/cuda_allocator.py). Its history of allocations
     # and frees (torch.cuda.memory._record_memory_history, Python stacks, kept for allocations
     # only) is bounded to this many events: PyTorch documents each as up to several KB of host
     # memory, so 10,000 keep it to tens of MB while covering a few steps of a large model. A job
@@ -76,13 +76,13 @@ class RecorderConfig:
     cuda_snapshot_first: int = 10
     cuda_snapshot_every: int = 1000
     cuda_snapshot_max: int = 50
-    # Many-rank jobs. The heartbeat (heartbeat.py): a thread that wakes every `heartbeat_s`
+    # Many-rank jobs. The heartbeat (distributed/heartbeat.py): a thread that wakes every `heartbeat_s`
     # seconds and, only when no step came since, writes what the training thread is doing (step,
     # phase), with its Python stack once the step has taken `stall_factor` times the usual step:
     # a hung job killed by a timeout still says where each rank stopped. 0: no heartbeat.
     heartbeat_s: float = 5.0
     stall_factor: float = 10.0
-    # Replica fingerprints (fingerprint.py): every `fingerprint_every` steps, each parameter's
+    # Replica fingerprints (distributed/fingerprint.py): every `fingerprint_every` steps, each parameter's
     # bits summed as integers, one reduction per parameter (a transformer of 200 tensors: ~400
     # ops every 100th step, 0.2% of its ops; counted by benchmarks/op_counts.py), so that the
     # analyzer can name the step and rank where a data-parallel replica left the others. 0: off.
@@ -99,7 +99,7 @@ class RecorderConfig:
     handle_sigterm: bool = True
     # The number of the first rec.step() of this Recorder: a job restarted from a checkpoint
     # passes the step it resumes at, so that its steps line up with the earlier attempt's (each
-    # attempt writes its own file, rank{N}.attempt{K}.h5 after rank{N}.h5; recorder/resume.py).
+    # attempt writes its own file, rank{N}.attempt{K}.h5 after rank{N}.h5; recorder/trace_file/attempts.py).
     # None: 0 for a first attempt; on a restart (an earlier attempt's trace is in run_dir), the
     # step count an optimizer of the model restored from its checkpoint, read at its first step
     # (Adam, AdamW, RMSprop, Adagrad... keep one, SGD does not), else 0.
@@ -118,7 +118,7 @@ class RecorderConfig:
     # "bfloat16" halve a float32 model's snapshots (integer buffers stay exact).
     snapshot_dtype: str = "exact"
     # Fixed-bin histograms (NaN, -Inf, signed half-octave magnitudes from 2**-40 to 2**8, zero,
-    # +Inf: 196 bins, the same at every step; recorder/histograms.py) of weights, gradients and
+    # +Inf: 196 bins, the same at every step; recorder/reductions/histograms.py) of weights, gradients and
     # leaf-module outputs. Every `histogram_every`-th step in the first `watch_warmup` steps, then
     # as often as that allows, but sparser (a multiple of it, at most 10 times it) if histogram
     # steps would add more than `histogram_budget` of the training time. Such a step hooks every

@@ -9,7 +9,7 @@ a failure callback) and is told everything else through these five calls, each a
   so it must cost next to nothing when nothing changes: most steps are plain);
 - ``pack(packer, plan)``: add its device-side reductions to the step's one transfer;
 - ``rows(plan, host)``: the rows it makes of the host values, {table: rows};
-- ``align(step)``: a resumed attempt's first step is ``step``, not 0 (resume.py): schedules that
+- ``align(step)``: a resumed attempt's first step is ``step``, not 0 (trace_file/attempts.py): schedules that
   count from step 0 count from it;
 - ``close()``: unhook and let go (the Recorder's close, or its failure).
 
@@ -28,8 +28,8 @@ class StepPlan(NamedTuple):
     step: int
     activations: bool = False  # every module's outputs, units and attention heads measured
     histograms: bool = False  # histograms of the chosen modules' outputs
-    tensors: bool = False  # whole outputs of the sampled modules (tensors.py)
-    watched: bool = False  # every module hooked (hooks.py): any of the three (plan())
+    tensors: bool = False  # whole outputs of the sampled modules (blackbox/whole_tensors.py)
+    watched: bool = False  # every module hooked (forward/module_watcher.py): any of the three (plan())
 
 
 def plan(step: int, activations: bool, histograms: bool, tensors: bool) -> StepPlan:

@@ -12,34 +12,36 @@ import weakref
 import torch
 from torch import nn
 
-from . import functional, resume, sharding
-from .activity import ActivityTracker
-from .attention_capture import AttentionTracker
-from .captures import Captures, check_sample_modules
+from .blackbox.captures import Captures, check_sample_modules
+from .blackbox.nan_origin import NanOrigin
 from .config import RecorderConfig
-from .cuda_memory import is_out_of_memory
-from .exit_hooks import ExitHooks
-from .grad_norms import GradientNorms
-from .heartbeat import Heartbeat, phase_of
-from .histograms import N_BINS, histogram_tensors
-from .local_grads import LocalGradients
-from .fingerprint import Fingerprints
-from .hooks import ModuleWatcher
-from .input_stats import InputStats
-from .memory_probe import MemoryProbe
-from .nan_origin import NanOrigin
-from .param_stats import ParamStats
+from .distributed import sharding
+from .distributed.fingerprint import Fingerprints
+from .distributed.heartbeat import Heartbeat, phase_of
+from .distributed.local_grads import LocalGradients
+from .forward import wrapped_functions
+from .forward.attention_capture import AttentionTracker
+from .forward.input_stats import InputStats
+from .forward.module_watcher import ModuleWatcher
+from .forward.root_hooks import RootHooks, TrainMode
+from .forward.step_time import StepClock
+from .forward.unit_activity import ActivityTracker
+from .memory.cuda_allocator import is_out_of_memory
+from .memory.memory_probe import MemoryProbe
+from .optimizer.grad_norms import GradientNorms
+from .optimizer.param_stats import ParamStats
+from .optimizer.schedule import OptimizerSchedule
+from .optimizer.update_guard import UpdateGuard
 from .planner import StepPlanner
 from .probe import Probe, StepPlan, plan as make_plan
-from .profiler import ProfilerWindows, own_work
-from .root_hooks import RootHooks, TrainMode
-from .schedule import OptimizerSchedule
-from .schema import table_layout
-from .step_clock import StepClock
+from .profiler.profile_windows import ProfilerWindows, own_work
+from .reductions.histograms import N_BINS, histogram_tensors
 from .step_rows import StepRows
-from .trace_header import trace_header
-from .update_guard import UpdateGuard
-from .writer import TraceWriter
+from .trace_file import attempts
+from .trace_file.exit_hooks import ExitHooks
+from .trace_file.header import trace_header
+from .trace_file.schema import table_layout
+from .trace_file.writer import TraceWriter
 
 _WRITING: dict = {}  # trace path -> weakref to the Recorder writing it in this process
 
@@ -85,8 +87,9 @@ class Recorder:
         taken = other is not None and other._active
         if not taken:
             _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
-        start = self.config.start_step  # or, on a restart, a resumed optimizer's count (resume.py)
-        self._start = resume.StartStep(start, start is None and resume.restarted(self.run_dir, self.rank))
+        # or, on a restart, a resumed optimizer's count (trace_file/attempts.py)
+        start = self.config.start_step
+        self._start = attempts.StartStep(start, start is None and attempts.restarted(self.run_dir, self.rank))
         self._step = self._start.start
         self._plan = StepPlan(self._step)  # what the coming step records (_arm)
         self._probes: tuple = ()  # armed before each step, aligned on a resume, closed (probe.py)
@@ -102,17 +105,19 @@ class Recorder:
         self.profiler = None
         self.clock = StepClock()  # where each step's time went
         self.train_mode = TrainMode()  # the model's mode at its forward passes
-        self.root_hooks = None  # the root module's hooks of every step (root_hooks.py)
-        self.captures = None  # snapshots, sampled tensors, the black box (captures.py)
-        self._guard = None  # the gradients judged before each optimizer step (update_guard.py)
+        self.root_hooks = None  # the root module's hooks of every step (forward/root_hooks.py)
+        self.captures = None  # snapshots, sampled tensors, the black box (blackbox/captures.py)
+        self._guard = None  # the gradients judged before each optimizer step (optimizer/update_guard.py)
         self.rows = None  # each step's work over the probes (step_rows.py)
-        self.heartbeat = None  # what the training thread does when steps stop coming (heartbeat.py)
+        # what the training thread does when steps stop coming (distributed/heartbeat.py)
+        self.heartbeat = None
         self._in_step_since: float | None = None  # (the heartbeat's "recorder" phase)
-        # This step has every module hooked (hooks.py); on other steps a NaN/Inf's module is
-        # found by replaying the step (replay.py).
+        # This step has every module hooked (forward/module_watcher.py); on other steps a NaN/Inf's
+        # module is found by replaying the step (blackbox/replay.py).
         self._watched = False
-        # What the wrapped functions show the recorder (functional.py)
-        self._observer = functional.Observer(self._on_activation, self._on_attention, self._on_data_wait, self._fail)
+        # What the wrapped functions show the recorder (forward/wrapped_functions.py)
+        self._observer = wrapped_functions.Observer(self._on_activation, self._on_attention, self._on_data_wait,
+                                                    self._fail)
         self.origin = NanOrigin()  # where a bad step's NaN/Inf was born when not watched
         self.planner = StepPlanner(self.config)  # which step records what, within the budgets
         self.memory = MemoryProbe(self.config, self.planner, self._fail)  # RSS, CUDA, census, GC, OOM
@@ -120,10 +125,11 @@ class Recorder:
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        # FSDP2 (DTensor) parameters are measured by their local shard: no collective (sharding.py).
+        # FSDP2 (DTensor) parameters are measured by their local shard: no collective
+        # (distributed/sharding.py).
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        # The gradient norms the optimizer step pre-hook takes (grad_norms.py).
+        # The gradient norms the optimizer step pre-hook takes (optimizer/grad_norms.py).
         self.norms = GradientNorms(self._params, self._param_index, self._grad_of, self.config.fused_reductions)
         self._param_name_by_id = {id(p): n for n, p in named}
         check_sample_modules(model, self.config.sample_modules)
@@ -166,7 +172,7 @@ class Recorder:
         self.profiler = ProfilerWindows(self.config.profile_first, self.config.profile_steps,
                                         self.config.profile_every, self._device)
         self.attention = AttentionTracker(self.watcher, self._fail)
-        functional.attach(self._observer)
+        wrapped_functions.attach(self._observer)
         self.schedule = OptimizerSchedule(self._param_index, self.schedule.scaler)
         self.schedule.attach()
         ref = weakref.ref(self)
@@ -181,7 +187,7 @@ class Recorder:
         self._guard = UpdateGuard(self.norms, self.captures, self.origin, self.watcher, self._param_names,
                                   self._param_name_by_id, step_now=lambda: self._step, active=lambda: self._active,
                                   watched=lambda: self._watched, fail=self._fail)
-        # Gradient and weight norms, update ratios, parameter histograms (param_stats.py).
+        # Gradient and weight norms, update ratios, parameter histograms (optimizer/param_stats.py).
         self.param_stats = ParamStats(self._params, self._grad_of, self.norms, self.planner, self._hist_params)
         self.local_grads = LocalGradients(self.model)  # (DDP: each rank's own gradients)
         fingerprints = Fingerprints(self._params, cfg.fingerprint_every)
@@ -261,14 +267,14 @@ class Recorder:
     def _arm(self, step: int) -> None:
         """Decide what the coming step records (the planner's budgets) and arm every probe with it;
         every module is hooked if it records anything per module (a watched step; other steps
-        hook only the root, see hooks.py)."""
+        hook only the root, see forward/module_watcher.py)."""
         planner, samples = self.planner, self.captures.samples
         plan = self._plan = make_plan(step, step >= planner.next_watch,
                                       bool(self.config.histogram_every) and step == planner.next_hist,
                                       samples is not None and samples.due(step))
         watched = plan.watched
         if watched or self._watched:  # (from one plain step to the next nothing changes)
-            functional.watching(self._observer, watched)
+            wrapped_functions.watching(self._observer, watched)
         self._watched = watched
         try:
             for probe in self._armed:
@@ -276,7 +282,7 @@ class Recorder:
         except Exception as e:
             self._fail(e)
 
-    # -- observer of wrapped functions (functional.py) ---------------------------------------
+    # -- observer of wrapped functions (forward/wrapped_functions.py) -------------------------
     def _on_activation(self, fn, args, kwargs, out) -> None:
         if self._active:
             with own_work():
@@ -307,7 +313,8 @@ class Recorder:
             except Exception as e:
                 self._fail(e)
             self._in_step_since = None
-            if self.local_grads.due and self._active:  # (after the job's first backward: local_grads.py)
+            # (after the job's first backward: distributed/local_grads.py)
+            if self.local_grads.due and self._active:
                 self.local_grads.attach()
         if self._active:
             self.planner.after_step(self._step, plan.watched, plan.activations, plan.histograms)
@@ -344,7 +351,7 @@ class Recorder:
         self.schedule.remove()
         if getattr(self, "_guard", None) is not None:
             self._guard.remove()
-        functional.detach(self._observer)
+        wrapped_functions.detach(self._observer)
         if getattr(self, "root_hooks", None) is not None:
             self.root_hooks.remove()
         # (_open may have failed before the probes were listed: those it made)

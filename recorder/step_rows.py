@@ -14,14 +14,14 @@ import time
 import numpy as np
 import torch
 
-from .captures import trigger
-from .histograms import N_BINS
-from .input_stats import INPUT_COLUMNS, InputStats
-from .local_grads import combine
-from .loss_graph import loss_ops
-from .nan_origin import loss_is_bad
+from .blackbox.captures import trigger
+from .blackbox.loss_graph import loss_ops
+from .blackbox.nan_origin import loss_is_bad
+from .distributed.local_grads import combine
+from .forward.input_stats import INPUT_COLUMNS, InputStats
 from .probe import StepPlan
-from .stats import Packer
+from .reductions.histograms import N_BINS
+from .reductions.stats import Packer
 
 
 class StepRows:
@@ -119,7 +119,7 @@ class StepRows:
         if self._params:  # (model.to() keeps the Parameter objects)
             self.device = self._params[0].device
         rows = {"params": param_row, "modules": {"output_absmax": mods["output_absmax"]}}
-        if bad_step or mods["origin"] >= 0:  # what the loss function did (loss_graph.py)
+        if bad_step or mods["origin"] >= 0:  # what the loss function did (blackbox/loss_graph.py)
             checks = self.origin.loss_check(step, loss)
             if checks:
                 rows["loss_checks"] = checks
@@ -178,7 +178,7 @@ class StepRows:
 
     def _loss_function(self, step: int, loss, rows: dict) -> None:
         """The loss function's ops, once (the analyzer's initial-loss check: a cross-entropy starts
-        near ln(classes)); the outputs are marked on training forwards (loss_graph.py)."""
+        near ln(classes)); the outputs are marked on training forwards (blackbox/loss_graph.py)."""
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             return
         ops = loss_ops(loss)

@@ -19,7 +19,9 @@ from torchautopsy.analyzer import memory_snapshot
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import format as reader_format
 from torchautopsy.analyzer.trace import upgrade
-from torchautopsy.recorder import cuda_memory, hooks, resume, schema
+from torchautopsy.recorder.forward import module_watcher
+from torchautopsy.recorder.memory import cuda_allocator
+from torchautopsy.recorder.trace_file import attempts, schema
 
 # Datasets of older formats that the reader still looks for (and upgrades): not written today.
 LEGACY = set()
@@ -29,10 +31,10 @@ def test_constants_agree():
     assert schema.SCHEMA_VERSION == reader_format.SCHEMA_VERSION
     assert schema.FORMAT_NAME == reader_format.FORMAT_NAME
     assert schema.OWN_WORK_RANGE == reader_format.OWN_WORK_RANGE
-    assert hooks.MAX_SITE_CALLS == reader_format.MAX_SITE_CALLS
-    assert resume.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
+    assert module_watcher.MAX_SITE_CALLS == reader_format.MAX_SITE_CALLS
+    assert attempts.STARTING_SUFFIX == reader_format.STARTING_SUFFIX
     for key in ("SNAPSHOT_KEYS", "SEGMENT_KEYS", "BLOCK_KEYS", "TRACE_KEYS", "FRAME_KEYS"):
-        assert getattr(cuda_memory, key) == getattr(memory_snapshot, key), key
+        assert getattr(cuda_allocator, key) == getattr(memory_snapshot, key), key
 
 
 class Attn(nn.Module):

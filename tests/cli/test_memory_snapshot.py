@@ -120,7 +120,7 @@ def profiled_snapshot() -> dict:
 def record_with(run_dir, snapshots, oom_at=None):
     """A real CPU run whose trace gets the given snapshots through the recorder's conversion and
     writer (what the CUDA path does with torch.cuda.memory._snapshot()'s result)."""
-    from torchautopsy.recorder.cuda_memory import SnapshotConverter
+    from torchautopsy.recorder.memory.cuda_allocator import SnapshotConverter
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))

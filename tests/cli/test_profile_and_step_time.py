@@ -213,7 +213,7 @@ def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
 def test_the_operator_table_matches_torch_key_averages():
     """recorder/profiler.op_table (one sweep over the window's events, from kineto or from the
     exported Chrome trace) gives what torch's key_averages() gives, at a fraction of its cost."""
-    from torchautopsy.recorder.profile_ops import op_table, window_events
+    from torchautopsy.recorder.profiler.op_table import op_table, window_events
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))

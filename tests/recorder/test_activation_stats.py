@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchautopsy.recorder.stats import STATS_MAX_ELEMENTS, activation_stats, combine_stats, stats_part
+from torchautopsy.recorder.reductions.stats import STATS_MAX_ELEMENTS, activation_stats, combine_stats, stats_part
 
 
 def _output(dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The attention statistics a recording holds, against the same statistics computed from each
-call's own arguments and the module's weights (attention.py's functions, tested against torch in
+call's own arguments and the module's weights (attention_math.py's functions, tested against torch in
 test_attention_math.py): an nn.MultiheadAttention inside nn.TransformerEncoderLayer (which calls
 it with need_weights=False: the probabilities come from its scaled_dot_product_attention call),
 one called directly (need_weights=True: recomputed beside it), and one on torch's fused path,
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from torchautopsy import Recorder
-from torchautopsy.recorder.attention import head_similarity, head_stats, mha_probs
+from torchautopsy.recorder.forward.attention_math import head_similarity, head_stats, mha_probs
 
 from recorder_testlib import names, open_trace
 
@@ -34,7 +34,7 @@ class _Net(nn.Module):
 
 
 def test_recorded_attention_matches_each_call_recomputed(tmp_path, monkeypatch):
-    import torchautopsy.recorder.attention_capture as capture
+    import torchautopsy.recorder.forward.attention_capture as capture
 
     recomputed = []  # the modules whose probabilities the recorder recomputed from their weights
     real = capture.mha_probs

@@ -1,4 +1,4 @@
-"""Oracle tests of recorder/attention.py: the probabilities must be the ones torch itself uses.
+"""Oracle tests of recorder/forward/attention_math.py: the probabilities must be the ones torch itself uses.
 
 MHA: compared with ``module(..., need_weights=True, average_attn_weights=False)[1]`` and, for the
 ``need_weights=False`` path, with the module's output rebuilt from our probabilities.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from torchautopsy.recorder.attention import head_similarity, head_stats, mha_probs, sdpa_probs
+from torchautopsy.recorder.forward.attention_math import head_similarity, head_stats, mha_probs, sdpa_probs
 
 D = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)

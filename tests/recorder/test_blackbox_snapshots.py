@@ -16,7 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from torchautopsy import Recorder, load
-from torchautopsy.recorder.histograms import N_BINS, NAN_BIN, NEG_INF_BIN, POS_INF_BIN, ZERO_BIN, histogram
+from torchautopsy.recorder.reductions.histograms import N_BINS, NAN_BIN, NEG_INF_BIN, POS_INF_BIN, ZERO_BIN, histogram
 
 from tests.helpers import invoke_cli
 from tests.recorder.recorder_testlib import Net
@@ -303,7 +303,7 @@ def test_info_lists_what_the_trace_holds(nan_run):
 
 def test_optimizer_hook_removed_and_others_ignored(tmp_path):
     """The optimizer pre-hook goes with close(); an optimizer of another model is ignored."""
-    from torchautopsy.recorder.optimizer_hooks import _pre as _global_optimizer_pre_hooks
+    from torchautopsy.recorder.optimizer.global_hooks import _pre as _global_optimizer_pre_hooks
 
     before = len(_global_optimizer_pre_hooks)
     model, other = Net(), nn.Linear(2, 2)

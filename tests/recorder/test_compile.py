@@ -2,7 +2,7 @@
 without the recorder, the model is compiled once, and the trace says what was not measured.
 
 Compiled frames run no hook and no function wrapper of the recorder (they return at once while
-Dynamo traces them: recorder/functional.py, hooks.py), so the per-module rows of a compiled
+Dynamo traces them: recorder/forward/wrapped_functions.py, module_watcher.py), so the per-module rows of a compiled
 forward read -1 ("not measured") and its time split NaN; the loss, gradient and parameter norms
 (taken outside the compiled code) are recorded on every step as in eager mode.
 """
@@ -199,13 +199,13 @@ class Island(nn.Module):
 
 
 def test_a_recorder_fault_under_compile_stops_the_recorder_not_the_training(monkeypatch):
-    from torchautopsy.recorder import activity
+    from torchautopsy.recorder.forward import unit_activity
 
     def broken(self, *args):
         raise RuntimeError("observer broke")
 
     base_losses, *_ = run(make=Island, record=False, backend="aot_eager")
-    monkeypatch.setattr(activity.ActivityTracker, "on_activation", broken)
+    monkeypatch.setattr(unit_activity.ActivityTracker, "on_activation", broken)
     losses, _, run_dir, ours = run(make=Island, backend="aot_eager", options={"activations_every": 1})
     assert torch.equal(losses, base_losses)
     assert len(ours) == 1 and "\n" not in ours[0] and "observer broke" in ours[0], ours

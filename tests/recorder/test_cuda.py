@@ -133,7 +133,7 @@ def test_a_real_snapshot_round_trips_exactly(tmp_path):
     import pickle
 
     from tests.helpers import run_cli
-    from torchautopsy.recorder.cuda_memory import SnapshotConverter
+    from torchautopsy.recorder.memory.cuda_allocator import SnapshotConverter
 
     dev = torch.device("cuda")
     torch.cuda.memory._record_memory_history(max_entries=1000)

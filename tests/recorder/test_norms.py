@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from torchautopsy.recorder.stats import DOT_MEAN_ELEMENTS, l2_norm_values, l2_norms
+from torchautopsy.recorder.reductions.stats import DOT_MEAN_ELEMENTS, l2_norm_values, l2_norms
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

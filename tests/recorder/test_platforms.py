@@ -5,7 +5,7 @@ What can be checked on this Linux machine: the recorder imports and records with
 modules (resource, fcntl, pwd, grp, termios) unimportable, as on Windows (torch and the standard
 library guard their own use of them); the reading is the current resident set, which falls
 when memory is given back. The macOS (Mach task info) and Windows (GetProcessMemoryInfo)
-readers in memory.py cannot run here."""
+readers in memory/readings.py cannot run here."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from torchautopsy.recorder import memory
+from torchautopsy.recorder.memory import readings as memory
 
 BLOCKED = ("resource", "fcntl", "pwd", "grp", "termios")
 

@@ -258,7 +258,7 @@ def test_histogram_budget_spacing(tmp_path):
 def test_rss_in_a_forked_child_is_the_childs_own():
     """rss_bytes() keeps /proc/<pid>/statm open; a forked child (a DataLoader worker, a job
     forked after the recorder started) must read its own, not the parent's it inherited."""
-    from torchautopsy.recorder.memory import rss_bytes
+    from torchautopsy.recorder.memory.readings import rss_bytes
     parent = rss_bytes()  # opens the parent's statm
     r, w = os.pipe()
     pid = os.fork()
@@ -284,7 +284,7 @@ def test_census_counts_tensor_subclasses(tmp_path):
     Python loop over them counts, parameters and users' own tensor subclasses included."""
     import gc
 
-    from torchautopsy.recorder.memory import tensor_census
+    from torchautopsy.recorder.memory.readings import tensor_census
 
     class Tagged(torch.Tensor):
         pass
