@@ -1,5 +1,5 @@
 """Where to look: the file and line of the code behind each module or parameter a finding names,
-from the sources the recorder read when it started (recorder/sources.py), as
+from the sources the recorder read when it started (recorder/trace_file/module_sources.py), as
 ``evidence["code"] = {"features.log": "LogFeatures, models/features.py:42"}``.
 
 A module of torch's own (an ``nn.Linear``) is code nobody will edit: what to read is the forward

@@ -1,7 +1,7 @@
 """CUDA allocator snapshots read back from a trace: the snapshot dict rebuilt (for PyTorch's
 memory viewer), and what held the memory — live blocks grouped by the place that allocated them.
 
-A snapshot is stored as rows (recorder/cuda_memory.py, docs/trace_format.md); nothing here
+A snapshot is stored as rows (recorder/memory/cuda_allocator.py, docs/trace_format.md); nothing here
 unpickles anything. ``snapshot_dict`` rebuilds exactly the dict ``torch.cuda.memory._snapshot()``
 returned (the keys it had, plain Python ints, strings, lists and dicts), which
 ``torchautopsy export --memory-snapshot`` pickles for https://pytorch.org/memory_viz.
@@ -18,7 +18,7 @@ from .trace import RankTrace
 from .trace.format import parse_json
 
 # The optional keys of each entity, in the order of the bits of its `keys` column (the recorder's
-# cuda_memory.py defines the same tuples; the trace format documents them).
+# memory/cuda_allocator.py defines the same tuples; the trace format documents them).
 SNAPSHOT_KEYS = ("device_traces", "allocator_settings")
 SEGMENT_KEYS = ("device", "address", "total_size", "allocated_size", "active_size", "requested_size",
                 "stream", "segment_type", "segment_pool_id", "is_expandable", "frames", "blocks")

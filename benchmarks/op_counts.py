@@ -7,7 +7,7 @@
 On a GPU every op the recorder dispatches is a kernel launch (or a view's bookkeeping) that a
 launch-bound step pays in full. The count does not depend on the machine, its load or its clock,
 so it is measured on the CPU and held by a test (tests/recorder/test_op_counts.py), for both of
-the recorder's paths (recorder/watch_batch.py): the GPU's (fused reductions, forced here with
+the recorder's paths (recorder/reductions/fused.py): the GPU's (fused reductions, forced here with
 ``fused_reductions=True``: the same ops a GPU dispatches) and the CPU's (per-tensor reductions,
 the faster ones on a CPU, where an op launches nothing). Counted with a TorchDispatchMode around
 the whole iteration:

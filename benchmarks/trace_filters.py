@@ -59,7 +59,7 @@ def real_rows(width: int) -> dict[str, np.ndarray]:
 
 
 def chunk_rows(width: int, itemsize: int) -> int:
-    return int(max(16, min(4096, (32 * 1024) // max(1, width * itemsize))))  # recorder/writer.py
+    return int(max(16, min(4096, (32 * 1024) // max(1, width * itemsize))))  # recorder/trace_file/writer.py
 
 
 def write(path: str, rows: dict, steps: int, flush_every: int, opts: dict) -> float:

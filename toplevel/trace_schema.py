@@ -1,6 +1,6 @@
 """The trace's per-step tables as data: the one place a per-step column is spelled.
 
-The recorder writes from it (recorder/schema.py's table_layout), the analyzer reads by it
+The recorder writes from it (recorder/trace_file/schema.py's table_layout), the analyzer reads by it
 (analyzer/trace/upgrade.py fills what older traces lack, format.py and step_columns.py know
 which values mean "not measured"), and the tests build traces from it (tests/tracebuilder.py);
 tests/analyzer/test_trace_schema_doc.py holds docs/trace_format.md to it. Adding a column is

@@ -2,7 +2,7 @@
 
 DDP's replicas hold bit-identical parameters after every step (the same averaged gradient, the
 same optimizer, the same kernels). The recorder writes each parameter's exact bit checksum every
-`fingerprint_every` steps (recorder/fingerprint.py); here the ranks are compared at each such
+`fingerprint_every` steps (recorder/distributed/fingerprint.py); here the ranks are compared at each such
 step. A rank whose checksums differ from the majority's, after a step where all agreed, is a
 replica that diverged: silent data corruption (a faulty GPU or memory), or a rank-dependent bug
 (an update, a re-initialisation or a checkpoint load on some ranks only). Ranks that never agreed

@@ -1,6 +1,6 @@
 """hang (error): the job stopped making progress, and which rank stopped first, where.
 
-Each rank's recorder writes a heartbeat while no step comes (recorder/heartbeat.py): the step in
+Each rank's recorder writes a heartbeat while no step comes (recorder/distributed/heartbeat.py): the step in
 progress, its phase, and once the step is long overdue the training thread's Python stack. A rank
 is stalled when its last heartbeat finds the step in progress running for `min_stall_factor`
 times its typical step and at least `min_stall_s`. The rank that stopped first is the one behind

@@ -1,6 +1,6 @@
 """Which rank went wrong first when every rank shows a finding at the same step and stage: after
 the gradient all-reduce every replica holds the same gradients, so what tells them apart is local
-to each rank -- its own gradients before the all-reduce (recorder/local_grads.py: Megatron checks
+to each rank -- its own gradients before the all-reduce (recorder/distributed/local_grads.py: Megatron checks
 the local gradient norm before the data-parallel collective for the same reason), and its own
 batch's loss."""
 

@@ -1,7 +1,7 @@
 """The loss function's operations that can make NaN/Inf, named from its autograd graph.
 
 The recorder lists the autograd nodes between the loss and the model's outputs on a step that
-went NaN/Inf (recorder/loss_graph.py: ``LogBackward0``, ``SqrtBackward0``, ...). Of those, only a
+went NaN/Inf (recorder/blackbox/loss_graph.py: ``LogBackward0``, ``SqrtBackward0``, ...). Of those, only a
 few ops can turn finite values into NaN/Inf: in the forward pass those undefined or overflowing
 on part of their domain, in the backward pass those whose derivative is unbounded at a point
 (d/dx log x = 1/x at 0, d/dx sqrt x = 1/(2 sqrt x) at 0, the norm of a zero vector, acos at +-1).

@@ -1,5 +1,5 @@
 """input_data: the batch is not what the model expects, from its statistics as the model received
-it (steps/input_*: recorder/input_stats.py).
+it (steps/input_*: recorder/forward/input_stats.py).
 
 - ``unnormalized`` (warning): the batch's typical standard deviation or mean, over the first
   ``first_steps`` steps, at least ``max_scale`` (0..255 images: std ~60; raw units). The

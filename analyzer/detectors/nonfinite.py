@@ -44,7 +44,7 @@ class Evidence(BaseEvidence, total=False):
     total_grad_norm_before: float  # the L2 norm of all gradients on the step before (None: first step)
     modules_with_nonfinite_output: int  # modules whose output held NaN/Inf on the step (0 also when none was checked)
     params_with_nonfinite_grad: dict  # parameter -> NaN/Inf elements in its gradient (the first 20)
-    loss_ops: list  # the loss function's autograd nodes, loss first (recorder/loss_graph.py)
+    loss_ops: list  # the loss function's autograd nodes, loss first (recorder/blackbox/loss_graph.py)
     outputs_nonfinite_on_step: bool  # the model's own outputs held NaN/Inf on the step
     origin_module_output_absmax: float  # (forward) the max |output| of the module that made it: Inf or NaN
     chain: dict  # (forward) producer and consumer module of a -Inf made NaN/+Inf, and the step
@@ -151,7 +151,7 @@ def _measure(rt: RankTrace) -> _FirstBadStep | None:
         return None
     i = int(bad_rows[0])
     step = int(idx[i])
-    # The loss function on this step, read by the recorder from its graph (loss_graph.py):
+    # The loss function on this step, read by the recorder from its graph (recorder/blackbox/loss_graph.py):
     # whether the model's own outputs were finite, and the loss's ops.
     check = rt.loss_checks.get(step, {})
     # The first bad step's own rows: that is all of the steps x tensors tables it needs.

@@ -1,5 +1,5 @@
 """A job restarted into its run directory: each attempt of a rank writes its own file
-(``rank{N}.h5``, then ``rank{N}.attempt{K}.h5``, K = 2, 3, ...; recorder/resume.py), and the
+(``rank{N}.h5``, then ``rank{N}.attempt{K}.h5``, K = 2, 3, ...; recorder/trace_file/attempts.py), and the
 reader joins them into one timeline per rank.
 
 The timeline rule: **a later attempt replaces the steps it re-ran.** An attempt that resumed at

@@ -19,7 +19,7 @@ from .safety import check_trace_file
 # statistics and copies, folded into one: they are not the job's operators).
 OWN_WORK_RANGE = "torchautopsy.recorder"
 # Calls of one module in a step with a site of their own (activity, attention, call_outputs);
-# later calls share the last one (recorder/hooks.py).
+# later calls share the last one (recorder/forward/module_watcher.py).
 MAX_SITE_CALLS = 16
 # The root module's label in the per-module DataFrames and in reports: named_modules() names it
 # '' (and so do findings' `where`), which no reader sees as a column.
@@ -30,7 +30,7 @@ def module_label(name: str) -> str:
     return name or ROOT_LABEL
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _RANK_FILE = re.compile(r"^rank(\d+)\.h5$")
-# A rank file still being built by the recorder (recorder/writer.py renames it when readable).
+# A rank file still being built by the recorder (recorder/trace_file/writer.py renames it when readable).
 STARTING_SUFFIX = ".starting"
 
 PARAM_STATS = tuple(c.name for c in trace_schema.columns("params"))

@@ -1,5 +1,5 @@
 """RankTrace's readers of what a many-rank job needs: the heartbeats a rank wrote while no step
-came (recorder/heartbeat.py), its replica fingerprints (recorder/fingerprint.py) and the NCCL
+came (recorder/distributed/heartbeat.py), its replica fingerprints (recorder/distributed/fingerprint.py) and the NCCL
 flight recorder's settings of its environment. Absent from older traces: they read as empty."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Liveness:
 
     @property
     def nccl_env(self) -> dict[str, str]:
-        """The NCCL flight recorder's settings in the job's environment (recorder/trace_header.py)."""
+        """The NCCL flight recorder's settings in the job's environment (recorder/trace_file/header.py)."""
         env = parse_json(self.meta.get("nccl_env", "") or "{}")
         if not isinstance(env, dict):
             return {}

@@ -78,7 +78,7 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
                 self.module_labels = [module_label(n) for n in self.module_names]  # the frames' columns
                 self.module_types = _strings(f["modules/type"])
                 self.module_is_leaf = np.asarray(f["modules/is_leaf"][()], dtype=bool)
-                # Where each module's code is (recorder/sources.py): "path:line" of its class and
+                # Where each module's code is (recorder/trace_file/module_sources.py): "path:line" of its class and
                 # its forward, "" where not known (older traces, a damaged column).
                 self.module_class_source, self.module_forward_source = (
                     _sources(f, f"modules/{c}", len(self.module_names)) for c in ("class_source", "forward_source"))

@@ -1,7 +1,7 @@
 """Whole-parameter figures of a sharded (FSDP2) run, from each rank's shard.
 
 Under FSDP2 a parameter is a DTensor split across ranks; each rank's recorder measured its own
-shard (recorder/sharding.py), and says into how many shards each parameter is split
+shard (recorder/distributed/sharding.py), and says into how many shards each parameter is split
 (``params/shards``). Here each rank's per-parameter step tables are read as the whole
 parameter's: for a parameter in c shards, over the R ranks that recorded it,
 

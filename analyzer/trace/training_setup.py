@@ -1,5 +1,5 @@
 """RankTrace's readers of how the job set its training up: which parameters required gradients
-and which ones each optimizer steps (recorder/schedule.py). What a parameter that never learns
+and which ones each optimizer steps (recorder/optimizer/schedule.py). What a parameter that never learns
 is told by (detectors/params_not_learning.py). Absent from older traces: read as not known."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A module the forward calls more than once has a site per call (recorder/call_sites.py): its
+"""A module the forward calls more than once has a site per call (recorder/forward/call_sites.py): its
 outputs call by call, on a real library's weight-shared model (ALBERT runs one layer for every
 depth), and the call that made a NaN/Inf named by the nonfinite finding."""
 

@@ -79,7 +79,7 @@ def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first(ddp):
 
 def test_ddp_recorded_trains_bitwise_as_unrecorded_though_its_gradients_go_through_our_hook(ddp):
     """The recorder takes each rank's own gradient norm in a DDP communication hook that then runs
-    DDP's default all-reduce (recorder/local_grads.py): the losses are the same to the bit with both
+    DDP's default all-reduce (recorder/distributed/local_grads.py): the losses are the same to the bit with both
     ranks recording and with none."""
     run, outs, _ = ddp
     assert load(run).ranks[0].meta["local_grad_norms"] == "recorded"

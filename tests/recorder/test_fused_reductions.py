@@ -1,4 +1,4 @@
-"""Issue 25: the GPU's path (fused reductions, recorder/watch_batch.py) records what the CPU's
+"""Issue 25: the GPU's path (fused reductions, recorder/reductions/fused.py) records what the CPU's
 per-tensor path records. Both run here on the CPU (fused_reductions=True forces the GPU's ops),
 on one seeded run of a model with what makes fusing hard: a BatchNorm feeding ReLU(inplace=True)
 (its output is written over by the next module), a residual block that adds into a child's
