@@ -87,8 +87,7 @@ class Recorder:
         taken = other is not None and other._active
         if not taken:
             _WRITING[os.path.abspath(self.path)] = weakref.ref(self)
-        # or, on a restart, a resumed optimizer's count (trace_file/attempts.py)
-        start = self.config.start_step
+        start = self.config.start_step  # or, on a restart, a resumed optimizer's count (trace_file/attempts.py)
         self._start = attempts.StartStep(start, start is None and attempts.restarted(self.run_dir, self.rank))
         self._step = self._start.start
         self._plan = StepPlan(self._step)  # what the coming step records (_arm)
@@ -109,8 +108,7 @@ class Recorder:
         self.captures = None  # snapshots, sampled tensors, the black box (blackbox/captures.py)
         self._guard = None  # the gradients judged before each optimizer step (optimizer/update_guard.py)
         self.rows = None  # each step's work over the probes (step_rows.py)
-        # what the training thread does when steps stop coming (distributed/heartbeat.py)
-        self.heartbeat = None
+        self.heartbeat = None  # what the training thread does when steps stop coming (distributed/heartbeat.py)
         self._in_step_since: float | None = None  # (the heartbeat's "recorder" phase)
         # This step has every module hooked (forward/module_watcher.py); on other steps a NaN/Inf's
         # module is found by replaying the step (blackbox/replay.py).
@@ -125,8 +123,7 @@ class Recorder:
         named = list(model.named_parameters())
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        # FSDP2 (DTensor) parameters are measured by their local shard: no collective
-        # (distributed/sharding.py).
+        # FSDP2 (DTensor) parameters are measured by their local shard: no collective (distributed/sharding.py).
         self._grad_of = sharding.grad_getter(self._params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         # The gradient norms the optimizer step pre-hook takes (optimizer/grad_norms.py).
@@ -313,8 +310,7 @@ class Recorder:
             except Exception as e:
                 self._fail(e)
             self._in_step_since = None
-            # (after the job's first backward: distributed/local_grads.py)
-            if self.local_grads.due and self._active:
+            if self.local_grads.due and self._active:  # (after the job's first backward: distributed/local_grads.py)
                 self.local_grads.attach()
         if self._active:
             self.planner.after_step(self._step, plan.watched, plan.activations, plan.histograms)
