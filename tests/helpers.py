@@ -12,6 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_traces"
+# How many times a test that repeats a whole job to catch a rare failure runs it: once in the
+# suite; TORCHAUTOPSY_REPEAT=20 to count a rate (the exit-status and full-disk jobs).
+REPEAT = int(os.environ.get("TORCHAUTOPSY_REPEAT", "1"))
 
 
 def run_cli(*args, block_torch: bool = False, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import REPEAT
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tmpfs")
 
 JOB = textwrap.dedent("""
@@ -69,8 +71,8 @@ def test_a_job_whose_disk_fills_exits_as_it_does_without_the_recorder(tiny_disk)
     bare = _job("bare", tiny_disk)
     assert bare.returncode == 0 and "done" in bare.stdout, bare.stderr
     codes = []
-    for _ in range(3):
+    for _ in range(REPEAT):
         r = _job("recorded", tiny_disk)
         assert "done" in r.stdout and r.stderr.count("RuntimeWarning: torchautopsy:") == 1, r.stderr  # one warning
         codes.append(r.returncode)
-    assert codes == [bare.returncode] * 3, codes
+    assert codes == [bare.returncode] * REPEAT, codes
