@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from recorder_testlib import attr_str, open_trace
+from tests.helpers import invoke_cli
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -240,8 +241,7 @@ def test_a_job_killed_while_the_recorder_starts_leaves_a_trace_or_says_so(tmp_pa
             time.sleep(delay)
         proc.kill()
         proc.wait()
-        r = subprocess.run([sys.executable, "-m", "torchautopsy.analyzer.cli", "info", str(run_dir)],
-                           capture_output=True, text=True, timeout=60)
+        r = invoke_cli("info", run_dir)  # (in this process: the job's process is the point here)
         if not run_dir.exists() or not os.listdir(run_dir):
             continue  # killed before the recorder made its directory
         if (run_dir / "rank0.h5").exists():
