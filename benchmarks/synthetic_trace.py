@@ -3,11 +3,14 @@
     python benchmarks/synthetic_trace.py OUT_DIR --steps 1000000 --params 200 [--modules 200]
                                          [--explode-at STEP]
 
-The layout, dtypes and chunking are the recorder's own (recorder/trace_file/writer.py writes it); only the
-numbers are made up, with the recorder's default schedules: a run whose gradient norms wander
-around a per-layer level, loss decaying with noise, memory flat; activations, update ratios and
-attention sampled every 10 steps; ReLU activity windows of 50 steps; a tensor census every 50
-steps; a profiler window every 1,000 steps. With --explode-at, the first layers' gradients grow
+The layout, dtypes and chunking are the recorder's own (recorder/trace_file/writer.py writes
+it); only the numbers are made up, with the schedules the recorder's defaults give such a model
+(100 Linear 256x256 layers with ReLUs: its budgets, recorder/config.py): a run whose gradient norms wander
+around a per-layer level, loss decaying with noise, memory flat; watched steps (module outputs,
+activations, attention, max |g|, weight norms) every 10 steps in the first 100, then every 50th;
+update ratios every 10 steps, then every 70th; ReLU activity windows of 5, 10, 20, 40, then 50
+steps; a tensor census every 900 steps; fingerprints every 100; a profiler window every 1,000
+steps. With --explode-at, the first layers' gradients grow
 from that step on, the loss follows, and both go NaN 300 steps later (so the analyzer and the
 report have findings to draw at scale). No torch model is trained, so a million steps take a
 minute, not a day. Then time the analyzer, for example:
@@ -46,8 +49,13 @@ def main() -> None:
     write(a.out_dir, a.steps, a.params, a.modules or a.params, a.seed, a.explode_at, a.levels_seed)
 
 
-# The recorder's default schedules (recorder/config.py).
-SAMPLE_EVERY, ACTIVITY_WINDOW, CENSUS_EVERY, PROFILE_EVERY = 10, 50, 50, 1000
+# The recorder's default schedules (recorder/config.py) as its budgets space them on this model
+# (benchmarks/README.md, "What the defaults cost"; a real recording of the model under the
+# Recorder watched steps 0-100 every 10, then every 50): every SAMPLE_EVERY steps in the first
+# WARMUP, then watched steps every WATCH_GAP, update ratios every UPDATE_GAP, a census every
+# CENSUS_EVERY (its ~50 ms within 0.15% of the step).
+SAMPLE_EVERY, WARMUP, WATCH_GAP, UPDATE_GAP = 10, 100, 50, 70
+ACTIVITY_WINDOW, CENSUS_EVERY, PROFILE_EVERY, FINGERPRINT_EVERY = 50, 900, 1000, 100
 RELU_UNITS = 256  # units of each ReLU site (one after every other module)
 HEADS, ATTENTION_SITES = 4, 4
 CENSUS_GROUPS = 12
@@ -71,7 +79,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
              "n_parameters": int(sum(np.prod(s) for s in shapes)),
              "config": json.dumps({"activations_every": SAMPLE_EVERY, "update_ratio_every": SAMPLE_EVERY,
                                  "attention_every": SAMPLE_EVERY, "activity_window": ACTIVITY_WINDOW,
-                                 "census_every": CENSUS_EVERY, "profile_every": PROFILE_EVERY}), "command": "",
+                                 "census_every": 50, "profile_every": PROFILE_EVERY,
+                                 "fingerprint_every": FINGERPRINT_EVERY}), "command": "",
              "closed": False}
     static = {
         "params": {"name": (params, "str"), "shape": ([json.dumps(s) for s in shapes], "str"),
@@ -120,6 +129,8 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         loss = 2.0 / (1 + steps / 1e4) + 0.05 * rng.random(n)
         loss = np.where(broken, np.nan, loss * np.sqrt(growth))
         census = np.where(steps % CENSUS_EVERY == 0, 5000, -1)
+        watched = _every(steps, WATCH_GAP) | broken
+        sampled_update = _every(steps, UPDATE_GAP)
         # What the run measures; every other column holds its "not measured" (trace_schema.py).
         w.write_columns("steps", {
             **{c.name: np.full(n, c.fill) for c in trace_schema.columns("steps") if c.fill is not None},
@@ -130,7 +141,7 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
             "gc_s": np.full(n, 0.0, f32), "gc_gen2": np.zeros(n), "lr": np.full(n, 1e-3), "optimizer_steps": np.ones(n),
             "grads_kept": np.zeros(n), "train_mode": np.ones(n), "nograd_train_forwards": np.zeros(n),
             # NaN is born in the forward pass of module 1 at the first broken step.
-            "nonfinite_origin": np.where(steps == (explode_at or -1) + NAN_AFTER, 1, -1),
+            "nonfinite_origin": np.where(broken & (steps == (explode_at or 0) + NAN_AFTER), 1, -1),
             "live_tensors": census, "live_tensor_bytes": np.where(census > 0, 1 << 30, -1),
             "live_tensors_with_graph": np.where(census > 0, 0, -1),
         })
@@ -139,10 +150,9 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
         g[broken] = np.nan
         g = g.astype(f32)
         # As the recorder measures them: max|g|, weight norms and module outputs on watched steps
-        # (every SAMPLE_EVERY-th; weight norms also on the step before), and on bad steps; -1
-        # (not measured) on the others.
-        watched = (steps % SAMPLE_EVERY == 0) | broken
-        w_measured = watched | ((steps + 1) % SAMPLE_EVERY == 0)
+        # and on bad steps (weight norms also on the step before an update ratio); -1 (not
+        # measured) on the others.
+        w_measured = watched | _every(steps + 1, UPDATE_GAP)
         w.write_columns("params", {
             "grad_norm": g, "grad_absmax": np.where(watched[:, None], g * 0.1, -1).astype(f32),
             "grad_nonfinite": np.where(broken[:, None], 1000, 0).astype(np.int32) * np.ones((1, n_params), np.int32),
@@ -168,7 +178,7 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
                 "device_total_us": np.zeros(PROFILE_OPS), "cpu_memory_bytes": np.zeros(PROFILE_OPS),
                 "device_memory_bytes": np.zeros(PROFILE_OPS)})
             window += 1
-        sampled = steps[steps % SAMPLE_EVERY == 0]
+        sampled = steps[_every(steps, WATCH_GAP)]
         k = len(sampled)
         if k:
             w.write_columns("activations", {
@@ -177,32 +187,54 @@ def write(out_dir: str, n_steps: int, n_params: int, n_modules: int, seed: int =
                 "absmax": rng.uniform(1, 5, (k, n_modules)).astype(f32),
                 "zero_frac": rng.uniform(0.3, 0.6, (k, n_modules)).astype(f32),
                 "nonfinite": np.zeros((k, n_modules), np.int32)})
-            w.write_columns("updates", {"step": sampled,
-                                        "ratio": (1e-3 * np.exp(0.3 * rng.standard_normal((k, n_params)))).astype(f32)})
             w.write_columns("attention", {
                 "step": sampled, "entropy": rng.uniform(0.6, 0.9, (k, HEADS * len(att_modules))).astype(f32),
                 "max_weight": rng.uniform(0.1, 0.3, (k, HEADS * len(att_modules))).astype(f32),
                 "sink_share": rng.uniform(0.1, 0.3, (k, HEADS * len(att_modules))).astype(f32),
                 "head_similarity": rng.uniform(0.2, 0.5, (k, len(att_modules))).astype(f32),
                 "keys": np.full((k, len(att_modules)), 64, np.int32)})
+        updated = steps[sampled_update]
+        if len(updated):
+            w.write_columns("updates", {"step": updated, "ratio": (
+                1e-3 * np.exp(0.3 * rng.standard_normal((len(updated), n_params)))).astype(f32)})
+        fp = steps[steps % FINGERPRINT_EVERY == 0]
+        if len(fp):  # each parameter's bits summed (distributed/fingerprint.py): one int64 a parameter
+            w.write_columns("fingerprints", {"step": fp, "bits": rng.integers(-2**62, 2**62, (len(fp), n_params))})
         print(f"\r{start + n:,} / {n_steps:,} steps ({time.perf_counter() - t0:.0f} s)", end="", flush=True)
     w.close({"closed": True, "end_reason": "closed", "end_unix": now + 0.05 * n_steps, "n_steps_recorded": n_steps})
     print(f"\nwrote {path}: {os.path.getsize(path) / 2**20:,.0f} MiB")
     return path
 
 
+def _every(steps: np.ndarray, gap: int) -> np.ndarray:
+    """Steps of a budgeted schedule: every SAMPLE_EVERY-th in the warm-up, then every gap-th."""
+    return np.where(steps < WARMUP, steps % SAMPLE_EVERY == 0, steps % gap == 0)
+
+
+# The first activity windows' last steps (5, 10, 20 and 40 steps long: forward/unit_activity.py), then every
+# ACTIVITY_WINDOW-th step ends one.
+_FIRST_ENDS = np.array([4, 14, 34, 74])
+
+
+def _window_ends(steps: np.ndarray) -> np.ndarray:
+    later = (steps > _FIRST_ENDS[-1]) & ((steps - _FIRST_ENDS[-1]) % ACTIVITY_WINDOW == 0)
+    return np.isin(steps, _FIRST_ENDS) | later
+
+
 def _periodic(w, rng, steps, n_modules, n_relu, n_att, census, now) -> None:
     """The windowed and sampled tables: activity windows, the tensor census."""
-    ends = steps[(steps + 1) % ACTIVITY_WINDOW == 0]
+    ends = steps[_window_ends(steps)]
     k = len(ends)
     if k:
+        starts = np.array([_window_start(e) for e in ends])
+        seen = np.array([int(_every(np.arange(a, e + 1), WATCH_GAP).sum()) for a, e in zip(starts, ends)], np.int32)
         # Each unit fired at least once in a window (healthy), but for a few per site.
         bits = np.ones((k, n_relu * RELU_UNITS), dtype=bool)
         bits[:, ::97] = False
         w.write_columns("activity", {
-            "step_start": ends - ACTIVITY_WINDOW + 1, "step_end": ends,
-            "steps_seen": np.full((k, n_relu), ACTIVITY_WINDOW // SAMPLE_EVERY, np.int32),
-            "steps_watched": np.full(k, ACTIVITY_WINDOW // SAMPLE_EVERY, np.int32),
+            "step_start": starts, "step_end": ends,
+            "steps_seen": np.repeat(seen[:, None], n_relu, axis=1),
+            "steps_watched": seen,
             "ever_positive": np.packbits(bits, axis=1, bitorder="little"),
             "saturated_frac": np.zeros((k, n_relu), np.float32)})
     at = steps[census > 0]
@@ -214,6 +246,13 @@ def _periodic(w, rng, steps, n_modules, n_relu, n_att, census, now) -> None:
             "shape": np.array([f"[{256 * (i + 1)}, 256]" for i in range(CENSUS_GROUPS)] * len(at), dtype=object),
             "graph": np.zeros(m), "count": np.full(m, 4), "bytes": np.tile(np.arange(1, CENSUS_GROUPS + 1) << 20, len(at)),
             "grad_fn": np.array([""] * m, dtype=object)})
+
+
+def _window_start(end: int) -> int:
+    k = int(np.searchsorted(_FIRST_ENDS, end))
+    if k < len(_FIRST_ENDS):
+        return 0 if k == 0 else int(_FIRST_ENDS[k - 1]) + 1
+    return end - ACTIVITY_WINDOW + 1
 
 
 if __name__ == "__main__":
