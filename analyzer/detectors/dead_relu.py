@@ -118,17 +118,39 @@ def _scan_windows(rt: RankTrace, sites, cfg: DeadReluConfig) -> _Scan:
     lat_end = np.full(n_sites, -1, dtype=np.int64)
     lat_share = np.full(n_sites, np.nan)
     lat_alive = np.zeros(n_units, dtype=bool)
-    for start, end, judged, alive, share in rt.dead_unit_windows(sites, cfg.min_seen_share):
-        last_alive_end[alive] = end
-        last_alive_start[alive] = start
-        ever_alive |= alive
+    units, sites_ix = np.arange(n_units), np.arange(n_sites)
+    # A block of windows at a time, each state as after its windows one by one: a unit's last
+    # alive window, a site's last judged one, and its dead share's last crossing since it last
+    # fell below warning_share (a judged window under it resets; windows not judged do not).
+    for starts, ends, judged, alive, share in rt.dead_unit_blocks(sites, cfg.min_seen_share):
+        w = np.arange(len(starts), dtype=np.int32)[:, None]
+        last = _last_true(alive)  # per unit: its last alive window here
+        was = last >= 0
+        last_alive_end[was], last_alive_start[was] = ends[last[was]], starts[last[was]]
+        ever_alive |= was
         crossed = judged & (share >= cfg.warning_share)
-        first_cross = np.where(crossed & (first_cross < 0), start, first_cross)
-        first_cross = np.where(judged & ~crossed, -1, first_cross)  # recovered: only a share lasting to the end counts
-        lat_start[judged], lat_end[judged], lat_share[judged] = start, end, share[judged]
-        lat_alive = np.where(judged[site_of_unit], alive, lat_alive)
+        reset = np.where(judged & ~crossed, w, -1).max(axis=0, initial=-1)
+        after = np.where(crossed & (w > reset), w, len(starts)).min(axis=0, initial=len(starts))
+        fresh = np.where(after < len(starts), starts[np.minimum(after, len(starts) - 1)], -1)
+        first_cross = np.where((reset >= 0) | (first_cross < 0), fresh, first_cross)
+        lj = np.where(judged, w, -1).max(axis=0, initial=-1)  # per site: its last judged window here
+        has = lj >= 0
+        lat_start[has], lat_end[has], lat_share[has] = starts[lj[has]], ends[lj[has]], share[lj[has], sites_ix[has]]
+        unit_lj = lj[site_of_unit]
+        lat_alive = np.where(unit_lj >= 0, alive[np.maximum(unit_lj, 0), units], lat_alive)
     return _Scan(bounds, ever_alive, last_alive_start, last_alive_end, first_cross,
                  lat_start, lat_end, lat_share, lat_alive)
+
+
+def _last_true(x: np.ndarray) -> np.ndarray:
+    """Per column of a windows x units block, the last row holding True (-1: none). Most units
+    are alive in a block's last window: only the others are searched."""
+    last = np.where(x[-1], len(x) - 1, -1) if len(x) else np.full(x.shape[1], -1)
+    rest = np.flatnonzero(last < 0)
+    if rest.size and len(x) > 1:
+        w = np.arange(len(x) - 1, dtype=np.int32)[:, None]
+        last[rest] = np.where(x[:-1, rest], w, -1).max(axis=0, initial=-1)
+    return last
 
 
 @dataclass(frozen=True)

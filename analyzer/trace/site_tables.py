@@ -40,21 +40,28 @@ class SiteTables:
         saturated_frac per site, steps watched), one window at a time, oldest first. A site
         is seen only on watched steps (schema 2: every activations_every-th step; before it,
         every step of the window)."""
+        for t, bits in self._activity_blocks():
+            for i in range(len(bits)):
+                yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i], bits[i],
+                       t["saturated_frac"][i], int(t["steps_watched"][i]))
+
+    def _activity_blocks(self):
+        """The activity table a block of windows at a time (a long run has tens of thousands):
+        (its columns, ever_positive unpacked: windows x the sites' bits, bool)."""
         cols = ("step_start", "step_end", "steps_seen", "ever_positive", "saturated_frac", "steps_watched")
         n, lacking = self._n_rows("activity", cols), self._lacking("activity", cols)
         n_bits = self._site_extent(self.activity_sites, "bit_offset", "units", "activity/ever_positive", 8)
-        # A block of windows at a time: a long run has tens of thousands of windows.
         for start in range(0, n, _WINDOWS_PER_READ):
             stop = min(n, start + _WINDOWS_PER_READ)
             t = {}
             for c in cols:
                 t[c] = upgrade.column(f"activity/{c}", stop - start, t) if c in lacking else \
                     self._read_rows(f"activity/{c}", slice(start, stop), n)[1]
-            for i in range(stop - start):
-                bits = np.unpackbits(np.asarray(t["ever_positive"][i], dtype=np.uint8), bitorder="little")
-                bits = np.concatenate([bits, np.zeros(max(0, n_bits - bits.size), dtype=np.uint8)])
-                yield (int(t["step_start"][i]), int(t["step_end"][i]), t["steps_seen"][i],
-                       bits[:n_bits].astype(bool), t["saturated_frac"][i], int(t["steps_watched"][i]))
+            packed = np.asarray(t["ever_positive"], dtype=np.uint8).reshape(stop - start, -1)
+            bits = np.unpackbits(packed, axis=1, bitorder="little")
+            if bits.shape[1] < n_bits:  # (sites seen after the table's width was set: never positive)
+                bits = np.pad(bits, ((0, 0), (0, n_bits - bits.shape[1])))
+            yield t, bits[:, :n_bits].view(bool)
 
     def dead_unit_windows(self, sites: pd.DataFrame, min_seen_share: float):
         """The dead-unit view that dead_relu judges and the report draws, for ``sites`` (rows of
@@ -62,21 +69,46 @@ class SiteTables:
         site: seen on at least ``min_seen_share`` of the window's watched steps, alive per unit of
         the sites in order (unit_layout): positive in the window and its site judged, and per
         site the share of its units never positive in the window)."""
+        for starts, ends, judged, alive, share in self.dead_unit_blocks(sites, min_seen_share):
+            for i in range(len(starts)):
+                yield int(starts[i]), int(ends[i]), judged[i], alive[i], share[i]
+
+    def dead_unit_blocks(self, sites: pd.DataFrame, min_seen_share: float):
+        """dead_unit_windows a block of windows at a time, each a row of its arrays: (step_start,
+        step_end, judged: windows x sites, alive: windows x units, share: windows x sites). One
+        2-D pass a block: 20,000 windows of 25,600 units are 512M unit-windows."""
         site_of_unit, bounds = unit_layout(sites)
         offsets = sites["bit_offset"].to_numpy(dtype=np.int64)
         units = np.diff(bounds)
         bit_of_unit = np.concatenate([np.arange(o, o + u) for o, u in zip(offsets, units)] or [np.zeros(0, np.int64)])
         contiguous = bool(np.array_equal(bit_of_unit, np.arange(len(bit_of_unit))))  # the usual layout
         rows, n_units = sites.index.to_numpy(), len(bit_of_unit)
-        for start, end, seen, bits, _, watched in self.activity_windows():
-            site_seen = np.where(rows < len(seen), np.asarray(seen)[np.minimum(rows, len(seen) - 1)], 0) \
-                if len(seen) else np.zeros(len(rows))
-            judged = (site_seen >= min_seen_share * watched) & (watched > 0)
-            alive = (bits[:n_units] if contiguous else bits[bit_of_unit]) & judged[site_of_unit]
-            alive_count = np.concatenate([[0], np.cumsum(alive)])
+        nz = units > 0
+        # Sites whose units fill whole bytes (the usual: 256 units) are counted on the packed
+        # bits, 8 units a byte; the others unit by unit (reduceat: a site of no units sums nothing).
+        by_bytes = contiguous and not (bounds % 8).any() and hasattr(np, "bitwise_count")  # (numpy 2)
+        firsts = bounds[:-1][nz] // 8 if by_bytes else bounds[:-1][nz]
+        for t, bits in self._activity_blocks():
+            seen = np.asarray(t["steps_seen"]).reshape(len(bits), -1)
+            watched = np.asarray(t["steps_watched"], dtype=np.int64)
+            site_seen = np.where(rows < seen.shape[1], seen[:, np.minimum(rows, seen.shape[1] - 1)], 0) \
+                if seen.shape[1] else np.zeros((len(bits), len(rows)))
+            judged = (site_seen >= min_seen_share * watched[:, None]) & (watched > 0)[:, None]
+            alive = bits[:, :n_units] if contiguous else bits[:, bit_of_unit]
+            if not judged.all():
+                alive = alive & np.repeat(judged, units, axis=1)
+            count = np.zeros(judged.shape, dtype=np.int64)
+            if len(firsts) and by_bytes:
+                packed = np.asarray(t["ever_positive"], dtype=np.uint8).reshape(len(bits), -1)[:, :n_units // 8]
+                if packed.shape[1] < n_units // 8:  # (sites past the table's width: never positive)
+                    packed = np.pad(packed, ((0, 0), (0, n_units // 8 - packed.shape[1])))
+                count[:, nz] = np.add.reduceat(np.bitwise_count(packed), firsts, axis=1, dtype=np.int64) * judged[:, nz]
+            elif len(firsts):
+                count[:, nz] = np.add.reduceat(alive, firsts, axis=1, dtype=np.int64)
             with np.errstate(invalid="ignore", divide="ignore"):  # (a site of 0 units: NaN)
-                share = 1.0 - (alive_count[bounds[1:]] - alive_count[bounds[:-1]]) / units
-            yield start, end, judged, alive, share
+                share = 1.0 - count / units
+            yield (np.asarray(t["step_start"], dtype=np.int64), np.asarray(t["step_end"], dtype=np.int64),
+                   judged, alive, share)
 
     # Sites seen after a table's last row are not in it yet (a kill): their columns may lie past
     # its width by this much, no more.

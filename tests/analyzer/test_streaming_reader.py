@@ -102,8 +102,8 @@ def test_buckets_match_numpy_on_the_whole_table(long_trace):
 def test_activity_windows_stream_every_window(long_trace):
     rt = load(long_trace).ranks[0]
     windows = list(rt.activity_windows())
-    assert len(windows) == STEPS // 50
     starts = full(rt, "activity/step_start")
+    assert len(windows) == len(starts) > 2 * 256  # (windows of 50 steps after the first four)
     assert [w[0] for w in windows] == starts.tolist()
     n_bits = int((rt.activity_sites["bit_offset"] + rt.activity_sites["units"]).max())
     packed = full(rt, "activity/ever_positive")

@@ -1,6 +1,10 @@
 """dead_relu: the share of a ReLU site's units never positive in its latest judged activity
 window: >= 50% a warning, >= 90% an error; dated when the share crossed and stayed."""
 
+import numpy as np
+import pytest
+
+from torchautopsy.analyzer.trace import site_tables
 from tests.tracebuilder import TraceBuilder, findings
 
 KIND = "dead_relu"
@@ -66,3 +70,24 @@ def test_trace_without_activity_tracking_is_not_checked(tmp_path):
 def test_model_without_activation_sites_is_quiet(tmp_path):
     TraceBuilder.mlp(layers=3, steps=100).write(tmp_path)  # tracking on, no ReLU call seen
     assert findings(tmp_path, KIND) == []
+
+
+@pytest.mark.parametrize("units", [13, 8])  # (8: every site fills whole bytes, counted packed)
+def test_windows_read_a_block_at_a_time_judge_as_one_at_a_time(tmp_path, monkeypatch, units):
+    # The scan takes a block of windows at once; its state (last alive window per unit, last
+    # judged window and crossing per site) must not depend on where the blocks split. Deaths,
+    # a recovery, windows judging nothing (no watched step, a site seen too rarely), 24 windows.
+    rng = np.random.default_rng(0)
+    b = TraceBuilder.mlp(layers=4, steps=1200).loss(1.0).total_grad_norm(1.0)
+    b.activity_site("1", units=16).activity_site("3", units=units).activity_site("5", units=16)
+    for k in range(24):
+        alive = {"1": rng.random(16) < (0.9 if k < 8 else 0.2), "3": rng.random(units) < (0.1 if 6 < k < 12 else 0.9),
+                 "5": rng.random(16) < 0.3}
+        b.activity_window(50 * k, 50 * k + 49, alive=alive, watched=0 if k % 7 == 3 else 5,
+                          seen={"5": 1} if k % 5 == 2 else None)
+    b.write(tmp_path)
+    whole = [f.to_dict() for f in findings(tmp_path, KIND)]
+    assert len(whole) >= 2
+    for per_read in (1, 2, 5):
+        monkeypatch.setattr(site_tables, "_WINDOWS_PER_READ", per_read)
+        assert [f.to_dict() for f in findings(tmp_path, KIND)] == whole
