@@ -217,7 +217,8 @@ def _noise(logs: np.ndarray) -> np.ndarray:
     """Each column's step-to-step noise: the median |change| of its log, as one value's std."""
     if len(logs) < 3:
         return np.zeros(logs.shape[1])
-    d = np.abs(np.diff(logs, axis=0))[::max(1, (len(logs) - 1) // NOISE_SAMPLE)]
+    step = max(1, (len(logs) - 1) // NOISE_SAMPLE)  # (the sampled changes only: np.diff's, every step-th)
+    d = np.abs(logs[1::step] - logs[:-1:step])
     return 1.4826 * np.median(d, axis=0) / math.sqrt(2.0)
 
 

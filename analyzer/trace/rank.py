@@ -254,21 +254,22 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
             return d
         bad_blocks = self.blocks("params/grad_nonfinite")
         w_blocks = self.blocks("params/param_norm")
-        for (a, g), (_, bad), (_, w) in zip(self.blocks("params/grad_norm"), bad_blocks, w_blocks):
-            g = g.astype(np.float64)
+        for (a, g32), (_, bad), (_, w) in zip(self.blocks("params/grad_norm"), bad_blocks, w_blocks):
             counted = bad > 0
-            present = ~np.isnan(g) | counted
-            sq = np.where(present, g * g, 0.0)
+            present = ~np.isnan(g32) | counted
+            sq = g32.astype(np.float64)
+            sq *= sq
+            sq[~present] = 0.0
             with np.errstate(invalid="ignore", over="ignore"):
                 tot = np.sqrt(sq.sum(axis=1))
-            b = slice(a, a + len(g))
+            b = slice(a, a + len(g32))
             d.grad_absent[b] = ~present.any(axis=1)
             tot[d.grad_absent[b]] = np.nan
             d.total_grad_norm[b] = tot
             d.grad_nonfinite[b] = counted.any(axis=1)
             d.param_nonfinite[b] = ~np.isfinite(w).all(axis=1)
-            d.grad_steps += present.sum(axis=0)
-            d.grad_zero_steps += (present & (g == 0)).sum(axis=0)
+            d.grad_steps += np.count_nonzero(present, axis=0)
+            d.grad_zero_steps += np.count_nonzero(g32 == 0, axis=0)  # (a gradient of 0 is present)
             measured = w >= 0  # (-1: not measured; NaN fails too)
             d.norm_min = np.minimum(d.norm_min, np.where(measured, w, np.inf).min(axis=0))
             d.norm_max = np.maximum(d.norm_max, np.where(measured, w, -np.inf).max(axis=0))
