@@ -3,17 +3,16 @@
     python benchmarks/synthetic_trace.py OUT_DIR --steps 1000000 --params 200 [--modules 200]
                                          [--explode-at STEP]
 
-The layout, dtypes and chunking are the recorder's own (recorder/trace_file/writer.py writes
-it); only the numbers are made up, with the schedules the recorder's defaults give such a model
-(100 Linear 256x256 layers with ReLUs: its budgets, recorder/config.py): a run whose gradient norms wander
-around a per-layer level, loss decaying with noise, memory flat; watched steps (module outputs,
-activations, attention, max |g|, weight norms) every 10 steps in the first 100, then every 50th;
-update ratios every 10 steps, then every 70th; ReLU activity windows of 5, 10, 20, 40, then 50
-steps; a tensor census every 900 steps; fingerprints every 100; a profiler window every 1,000
-steps. With --explode-at, the first layers' gradients grow
-from that step on, the loss follows, and both go NaN 300 steps later (so the analyzer and the
-report have findings to draw at scale). No torch model is trained, so a million steps take a
-minute, not a day. Then time the analyzer, for example:
+The layout, dtypes and chunking are the recorder's own (recorder/trace_file/writer.py writes it);
+only the numbers are made up, with the schedules the recorder's defaults give such a model (100
+Linear 256x256 layers with ReLUs: its budgets, recorder/config.py): a run whose gradient norms
+wander around a per-layer level, loss decaying with noise, memory flat; watched steps (module
+outputs, activations, attention, max |g|, weight norms) every 10 steps in the first 100, then every
+50th; update ratios every 10 steps, then every 70th; ReLU activity windows of 5, 10, 20, 40, then 50
+steps; a tensor census every 900 steps; fingerprints every 100; a profiler window every 1,000 steps.
+With --explode-at, the first layers' gradients grow from that step on, the loss follows, and both go
+NaN 300 steps later (so the analyzer and the report have findings to draw at scale). No torch model
+is trained, so a million steps take a minute, not a day. Then time the analyzer, for example:
 
     /usr/bin/time -v torchautopsy analyze OUT_DIR --json f.json --html r.html
 """
