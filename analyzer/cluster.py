@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from .errors import ClusterError
-from .parallel import RankResult, Shared, _held_pass, _one_rank, _own_problem, could_not_read
+from .parallel import RankResult, Shared, _held_pass, _own_problem, could_not_read
 from .trace import Trace, safety
 from .trace.shards import WholeParams
 
@@ -79,9 +79,11 @@ def connect(address: str) -> Iterator:
             try:
                 if local:
                     # One thread a worker: HDF5 reads serialize on h5py's lock, so threads would not help.
+                    # A free port for the scheduler's HTTP server (None still tries 8787, and warns on
+                    # stderr when another cluster on this machine holds it).
                     cluster = stack.enter_context(LocalCluster(
                         n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
-                        dashboard_address=None, silence_logs=logging.CRITICAL))
+                        dashboard_address=":0", silence_logs=logging.CRITICAL))
                     client = stack.enter_context(Client(cluster, timeout=CONNECT_TIMEOUT_S))
                 else:
                     client = stack.enter_context(Client(address, timeout=CONNECT_TIMEOUT_S))
@@ -94,24 +96,29 @@ def connect(address: str) -> Iterator:
 
 
 def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], scheduler,
-             progress: Callable[[int, int], None] | None = None) -> dict[int, RankResult]:
-    """{rank: rank_pass(that rank's trace, rank)} for every rank, each a task on the Dask cluster
-    of ``scheduler`` (a Client, or an address connect() takes). The results equal parallel.per_rank's."""
+             progress: Callable[[int, int], None] | None = None, straggler_cfg=None) -> dict[int, RankResult]:
+    """{rank: (findings, Light)} for every rank, each rank's pass a task on the Dask cluster of
+    ``scheduler`` (a Client, or an address connect() takes): its digest leaves the worker reduced
+    (cross_rank/light.py). With ``straggler_cfg``, each Light also holds its straggler verdict
+    and peaks, judged on the workers in a second pass (cluster_passes.py). The findings equal
+    parallel.per_rank's; a sharded run is read here and gives full digests, as there."""
     if isinstance(scheduler, str):
         with connect(scheduler) as client:
-            return per_rank(trace, rank_pass, client, progress)
+            return per_rank(trace, rank_pass, client, progress, straggler_cfg)
     ranks = list(trace.attempts)
     if any(isinstance(rt, WholeParams) for rt in trace.ranks.values()):
         # Sharded parameters (FSDP2): each rank's figures combine every rank's shards, read here.
         return {r: _own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)) for r in ranks}
     from distributed import as_completed
 
-    files = {r: [a.trace.path for a in trace.attempts[r]] for r in ranks}
+    from .cluster_passes import first_pass, judge
+
+    files = {r: [os.path.abspath(a.trace.path) for a in trace.attempts[r]] for r in ranks}
     passed = {r: [safety.path_identity(p) for p in files[r]] for r in ranks}
     run_dir = os.path.abspath(trace.run_dir)  # (the workers' working directory is not ours)
     tag = uuid.uuid4().hex[:8]
-    futures = {scheduler.submit(_one_rank, run_dir, [os.path.abspath(p) for p in files[r]], r, rank_pass,
-                                passed[r], key=f"torchautopsy-rank-{r}-{tag}", pure=False): r for r in ranks}
+    futures = {scheduler.submit(first_pass, run_dir, files[r], r, rank_pass, passed[r],
+                                key=f"torchautopsy-rank-{r}-{tag}", pure=False): r for r in ranks}
     results: dict[int, RankResult] = {}
     share = Shared()
     try:
@@ -121,6 +128,10 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
             fut.release()  # (its result is here now: the cluster need not keep it)
             if progress:
                 progress(len(results), len(ranks))
+        if straggler_cfg is not None:
+            lights = {r: d for r, (_, d) in results.items() if d is not None}
+            judge(scheduler, {r: (run_dir, files[r], r, passed[r]) for r in lights}, lights,
+                  list(results.values()), straggler_cfg, tag)
     finally:
         if futures:  # (Ctrl-C, or this process failing: the tasks left are of no use to anyone)
             scheduler.cancel(list(futures), force=True)

@@ -93,7 +93,9 @@ class Shared:
         digest = result[1]
         if digest is not None:
             for name in self.FIELDS:
-                value = getattr(digest, name)
+                value = getattr(digest, name, None)  # (a Light has no per-step series)
+                if value is None:
+                    continue
                 if isinstance(value, np.ndarray):
                     key = (name, value.dtype.str, value.shape, hashlib.blake2b(value.tobytes(), digest_size=16).digest())
                 else:

@@ -8,7 +8,8 @@ from functools import partial
 
 from .config import AnalysisConfig
 from .code_places import with_code
-from .cross_rank import CROSS_DETECTORS
+from .cross_rank import CROSS_DETECTORS, straggler
+from .cross_rank.light import finding_steps, light, oom_steps
 from .cross_rank.digest import RankDigest, digest_of
 from .cross_rank.memory import others_memory
 from .cross_rank.merge import merge
@@ -64,14 +65,26 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
     else:  # (the same pass, a Dask task a rank: cluster.py)
         from .cluster import per_rank as per_rank_on
 
-        results = per_rank_on(trace, partial(rank_pass, cfg=cfg), scheduler, progress)
-    digests = {r: d for r, (_, d) in results.items() if d is not None}
+        results = per_rank_on(trace, partial(rank_pass, cfg=cfg), scheduler, progress, cfg.straggler)
+    digests = lights(results, cfg)
     trace.digests = digests
     merged = merge([f for found, _ in results.values() for f in found], trace.ranks, digests)
     findings.extend(others_memory(f, digests) for f in merged)
     for det in CROSS_DETECTORS:
         findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(digests, getattr(cfg, det.KIND), trace)))
     return sort_findings(findings)
+
+
+def lights(results: dict, cfg: AnalysisConfig) -> dict:
+    """The ranks' Lights (cross_rank/light.py), what the cross-rank detectors and the report read:
+    those the Dask path made where the ranks were read, and those of the full digests held here
+    (the local path), judged here against exact per-step references. Both give the same findings."""
+    full = {r: d for r, (_, d) in results.items() if isinstance(d, RankDigest)}
+    verdicts = straggler.verdicts_here(full, cfg.straggler) if full else {}
+    peak_steps = oom_steps(results.values())
+    out = {r: d for r, (_, d) in results.items() if d is not None and not isinstance(d, RankDigest)}
+    out.update({r: light(d, finding_steps(results[r][0]), peak_steps, verdicts.get(r)) for r, d in full.items()})
+    return dict(sorted(out.items()))
 
 
 def rank_pass(trace: Trace, rank: int, cfg: AnalysisConfig) -> tuple[list[Finding], RankDigest | None]:

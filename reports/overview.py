@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 
-from ..analyzer.cross_rank.aligned import matrix
 from ..analyzer.restarts import rerun_losses, restart_marks
 from . import layer_plots, plots, schedule
 from .context import Context, figure, no_figure, read_or_none
@@ -160,15 +159,14 @@ def _memory(ctx: Context) -> Figure:
     many = len(ctx.trace.ranks) > MAX_RANK_LINES
     for col, label in (("rss_bytes", "resident (RSS)"), ("cuda_allocated_bytes", "CUDA allocated"),
                        ("cuda_reserved_bytes", "CUDA reserved")):
+        if many:  # the median rank's, the largest, and the ranks the findings name: from their buckets
+            series.update(_many_memory(ctx, col.removesuffix("_bytes"), f" {label}"))
+            continue
         by_rank = {}
         for r, rt in ctx.trace.ranks.items():
             y = rt.columns[col]
             if (y.to_numpy() >= 0).any():
                 by_rank[r] = y.where(y >= 0) / MIB
-        if many and by_rank:  # the median rank's, the largest, and the ranks the findings name
-            for name, y in _median_and_odd(ctx, by_rank, f" {label}", largest=True).items():
-                series[name] = (y.index.to_numpy(), y.to_numpy(dtype=float))
-            continue
         for r, y in by_rank.items():
             series[f"rank {r} {label}" if multi else label] = (y.index.to_numpy(), y.to_numpy(dtype=float))
     if not series:
@@ -185,37 +183,31 @@ def _memory(ctx: Context) -> Figure:
     return figure(title, caption, plots.plot_memory, series, marks=ctx.marks(labels=False), own_steps=own)
 
 
-def _median_and_odd(ctx: Context, by_rank: dict, label: str, largest: bool = False) -> dict:
-    """Many ranks' series as a few lines: the median rank's (step by step), the largest value of
-    any rank if asked, and the ranks named by a warning or error (at most MAX_RANK_LINES - 2)."""
-    import pandas as pd
+def _many_memory(ctx: Context, name: str, label: str) -> dict:
+    """Many ranks' memory of one kind (MiB) as bucket_lines: the median rank's, the largest of any
+    rank, the ranks the findings name; {} where no rank measured it."""
+    from .ranks import bucket_lines, digests
 
-    frame = pd.DataFrame(by_rank)
-    out = {f"median of {frame.shape[1]:,} ranks{label}": frame.median(axis=1)}
-    if largest:
-        out[f"largest of any rank{label}"] = frame.max(axis=1)
-    odd = list(dict.fromkeys(f.rank for f in ctx.findings if f.rank in by_rank and f.severity != "info"))
-    for r in odd[:MAX_RANK_LINES - 2]:
-        out[f"rank {r}{label}"] = frame[r]
-    return out
+    ds = {r: d for r, d in digests(ctx).items() if r in ctx.trace.ranks}
+    odd = list(dict.fromkeys(f.rank for f in ctx.findings if f.rank in ds and f.severity != "info"))
+    lines = bucket_lines(ds, name, odd[:MAX_RANK_LINES - 2], largest=True, label=label)
+    if not lines or not any(np.isfinite(y).any() for _, y in lines.values()):
+        return {}
+    return {k: (x, y / MIB) for k, (x, y) in lines.items()}
 
 
 def _median_and_odd_loss(ctx: Context) -> dict:
-    """_median_and_odd of the ranks' losses, from their digests (which hold each rank's loss
-    already) a block of steps at a time: reading every rank's loss column would keep 1,024 ranks'
-    tables in memory (+250 MB at 10,000 steps, measured), and a frame of them all as much again."""
+    """_median_and_odd of the ranks' losses, from their bucketed digests (reports/ranks.py
+    bucket_lines: the median of the ranks' bucket means, the odd ranks' means): reading every
+    rank's loss column would keep 1,024 ranks' tables in memory (+250 MB at 10,000 steps, measured)."""
     import pandas as pd
 
-    from .ranks import digests, median_rank
+    from .ranks import bucket_lines, digests
 
     ds = {r: d for r, d in digests(ctx).items() if r in ctx.trace.ranks}
-    steps = np.unique(np.concatenate([d.steps for d in ds.values()])) if ds else np.zeros(0, dtype=np.int64)
-    index = pd.Index(steps, name="step")
-    out = {f"median of {len(ds):,} ranks": pd.Series(median_rank(ds, lambda d: d.loss, steps), index=index)}
     odd = list(dict.fromkeys(f.rank for f in ctx.findings if f.rank in ds and f.severity != "info"))
-    for r in odd[:MAX_RANK_LINES - 2]:
-        out[f"rank {r}"] = pd.Series(matrix({r: ds[r]}, lambda d: d.loss, steps)[0], index=index)
-    return out
+    lines = bucket_lines(ds, "loss", odd[:MAX_RANK_LINES - 2])
+    return {name: pd.Series(y, index=pd.Index(x.astype(np.int64), name="step")) for name, (x, y) in lines.items()}
 
 
 def _step_time(ctx: Context) -> Figure:

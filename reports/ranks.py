@@ -1,6 +1,7 @@
 """The report's section on the ranks of a many-rank run: ranks x steps pictures of own work,
-waiting, loss, gradient norm and memory, each rank against the median rank at each step, so that
-the odd rank stands out; and how each rank's trace ends (where the hung rank stopped)."""
+waiting, loss, gradient norm and memory, each rank against the median rank in buckets of steps,
+so that the odd rank stands out; and how each rank's trace ends (where the hung rank stopped).
+They read the ranks' Lights (analyzer/cross_rank/light.py): series bucketed where each rank was read."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import warnings
 
 import numpy as np
 
-from ..analyzer.cross_rank.aligned import matrix
-from ..analyzer.cross_rank.digest import RankDigest, digest_of
+from ..analyzer.cross_rank.buckets import side_by_side
+from ..analyzer.cross_rank.digest import digest_of
 from ..analyzer.cross_rank.hang import where_stopped
+from ..analyzer.cross_rank.light import Light, light
 from ..analyzer.cross_rank.merge import rank_set
 from ..analyzer.trace.phases import PHASES
 from . import plots
@@ -24,37 +26,51 @@ MAX_COLS = 400
 MAX_TABLE_ROWS = 40
 
 
-def digests(ctx: Context) -> dict[int, RankDigest]:
-    """The ranks' digests: those the analysis made, else made here (a report built alone)."""
+def digests(ctx: Context) -> dict[int, Light]:
+    """The ranks' Lights: those the analysis made, else made here (a report built alone)."""
     if ctx.trace.digests is None:
-        ctx.trace.digests = {r: digest_of(rt) for r, rt in ctx.trace.ranks.items()}
+        ctx.trace.digests = {r: light(digest_of(rt)) for r, rt in ctx.trace.ranks.items()}
     return ctx.trace.digests
 
 
-def own_work(d: RankDigest) -> np.ndarray:
-    """A rank's own work per step: waiting for its data, between steps, its forward (s)."""
-    p = d.phases
-    own = np.vstack([p["data"], p["between_steps"], p["forward"]])
-    return np.where(np.isnan(own).all(axis=0), np.nan, np.nansum(own, axis=0)) if len(d.steps) else np.zeros(0)
-
-
-# (title, what it shows, series of a digest, what a coloured row means)
+# (title, what it shows, the bucketed series of a digest, what a coloured row means)
 PICTURES = (
     ("Ranks: own work per step", "each rank's own work in a step (waiting for its data, between steps, its "
-     "forward)", own_work,
+     "forward)", "own",
      "A straggler is a red row: it takes longer than the others for its own work."),
     ("Ranks: backward and optimizer per step", "each rank's time from the end of its forward to rec.step() "
-     "(its backward, the gradient all-reduce and the optimizer step)", lambda d: d.phases["backward"],
+     "(its backward, the gradient all-reduce and the optimizer step)", "backward",
      "Under data parallelism the ranks wait for a straggler in the gradient all-reduce, so their backward "
      "grows by its delay: the straggler's row is the blue one, the rank that did not wait."),
-    ("Ranks: loss per step", "each rank's loss (its own batch)", lambda d: d.loss,
+    ("Ranks: loss per step", "each rank's loss (its own batch)", "loss",
      "A NaN in one rank's batch shows red on that rank first."),
-    ("Ranks: gradient norm per step", "the total gradient norm each rank measured", lambda d: d.grad_norm,
+    ("Ranks: gradient norm per step", "the total gradient norm each rank measured", "grad_norm",
      "After the all-reduce every replica holds the same gradients: rows differ only where the ranks do not "
      "average them."),
     ("Ranks: memory per step", "each rank's memory (the CUDA allocator's peak where measured, else its "
-     "resident memory)", lambda d: d.memory, "A rank with more memory than the others is red: it runs out first."),
+     "resident memory)", "memory", "A rank with more memory than the others is red: it runs out first."),
 )
+
+
+def bucket_lines(ds: dict[int, Light], name: str, odd=(), largest: bool = False, label: str = "",
+                 median_label: str | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Many ranks' series as a few lines over the buckets' first steps: the median rank's (the
+    median of the ranks' bucket means), the largest value of any rank if asked, and each rank of
+    ``odd`` (its bucket means). {} if no rank has the series."""
+    aligned = side_by_side({r: d.buckets for r, d in ds.items()}, name)
+    if aligned is None:
+        return {}
+    ranks, edges, _, hi, mean, _, _ = aligned
+    x = edges[:-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = {median_label or f"median of {len(ranks):,} ranks{label}": (x, np.nanmedian(mean, axis=0))}
+        if largest:
+            out[f"largest of any rank{label}"] = (x, np.nanmax(hi, axis=0))
+    for r in odd:
+        if r in ranks:
+            out[f"rank {r}{label}"] = (x, mean[ranks.index(r)])
+    return out
 
 
 def figures(ctx: Context) -> list[Figure]:
@@ -63,21 +79,21 @@ def figures(ctx: Context) -> list[Figure]:
     ds = digests(ctx)
     if len(ds) < 2:
         return [no_figure("Ranks", "Fewer than two ranks could be summarised; see the findings.")]
-    steps = np.unique(np.concatenate([d.steps for d in ds.values()]))
-    if not len(steps):
+    if not any(d.n_steps for d in ds.values()):
         return [no_figure("Ranks", "No rank recorded a step.")]
     ranks = sorted(ds)
     points = [(ranks.index(f.rank), f.step, f.severity) for f in ctx.findings
               if f.rank in ds and f.step is not None and f.severity != "info"]
     out = []
     for title, what, series, meaning in PICTURES:
-        cells = _cells(ds, series, steps, ranks)
+        cells = _cells(ds, series)
         if cells is None:
             out.append(no_figure(title, f"Not recorded: {what}."))
             continue
         dev, nonfinite, missing, labels, x_edges = cells
         caption = (f"One row per rank{' (groups of ranks: the most deviating of each)' if len(labels) < len(ranks) else ''}:"
-                   f" {what}, against the median rank's at the same step (white: as the median rank; red: more; "
+                   f" {what}, against the median rank's, in buckets of steps (each cell the most deviating value "
+                   f"of its steps against the median of the ranks' means there; white: as the median rank; red: more; "
                    f"blue: less). {meaning} Grey: no step recorded (the rank's trace had ended). Triangles: the "
                    f"findings of each rank.{_odd_in_groups(points, ranks, labels)}")
         height = float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5))
@@ -88,7 +104,7 @@ def figures(ctx: Context) -> list[Figure]:
     return out + ([fp] if fp is not None else [])
 
 
-def _replicas(ctx: Context, ds: dict[int, RankDigest], ranks: list[int], points) -> Figure | None:
+def _replicas(ctx: Context, ds: dict[int, Light], ranks: list[int], points) -> Figure | None:
     """Each rank's parameters at each fingerprint step: the majority's (white) or not (red)."""
     if not all(d.replicated and len(d.fp_steps) for d in ds.values()):
         return None
@@ -119,49 +135,26 @@ def _replicas(ctx: Context, ds: dict[int, RankDigest], ranks: list[int], points)
                   height_in=float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5)))
 
 
-def _deviation(values: np.ndarray, missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """log2(value / the median rank's at that step); NaN/Inf values apart."""
-    nonfinite = ~np.isfinite(values) & ~missing
+def _cells(ds: dict[int, Light], series: str):
+    """The picture's cells of one bucketed series: each bucket's smallest or largest value of a
+    rank, whichever deviates more from the median of the ranks' bucket means (log2 of the ratio,
+    NaN/Inf apart), then ranks grouped into at most MAX_ROWS rows; None if no value is finite."""
+    aligned = side_by_side({r: d.buckets for r, d in ds.items()}, series)
+    if aligned is None:
+        return None
+    ranks, edges, lo, hi, mean, nonfinite, missing = aligned
+    if not (np.isfinite(lo).any() or np.isfinite(hi).any()):
+        return None
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
-        finite = np.where(np.isfinite(values), values, np.nan)
-        med = np.nanmedian(finite, axis=0)
-        dev = np.log2(np.abs(finite) / np.abs(med))
-        dev[(finite == med)] = 0.0  # (0/0: both zero)
-    return np.clip(dev, -4, 4), nonfinite
-
-
-def _cells(ds: dict[int, RankDigest], series, steps: np.ndarray, ranks: list[int]):
-    """_bucketed's cells of ``series``' deviation from the median rank, or None if no value is
-    finite. Built a block of step columns at a time (whole buckets, BLOCK_STEPS or so): each
-    column's median and each bucket's reduction are of their own columns alone, so the cells are
-    the whole matrix's, while 1,024 ranks x 10,000 steps never stand in float64 at once (82 MB each)."""
-    cols = plots.bucket_edges(len(steps), MAX_COLS)
-    parts, finite, k = [], False, 0
-    while k < len(cols) - 1:
-        j = k + 1
-        while j < len(cols) - 1 and cols[j + 1] - cols[k] <= BLOCK_STEPS:
-            j += 1
-        at = steps[cols[k]:cols[j]]
-        values = matrix(ds, series, at)
-        missing = np.isnan(matrix(ds, lambda d: np.zeros(len(d.steps)), at))
-        finite = finite or bool(np.isfinite(values).any())
-        dev, nonfinite = _deviation(values, missing)
-        parts.append(_by_columns(dev, nonfinite, missing, cols[k:j + 1] - cols[k]))
-        k = j
-    if not finite:
-        return None
-    dev, nonfinite, missing = (np.concatenate([p[i] for p in parts], axis=1) for i in range(3))
-    return (*_by_rows(dev, nonfinite, missing, ranks), np.append(steps[cols[:-1]], steps[-1] + 1).astype(float))
-
-
-BLOCK_STEPS = 512
-
-
-def median_rank(ds: dict[int, RankDigest], series, steps: np.ndarray) -> np.ndarray:
-    """The median over ranks of ``series`` at each of ``steps`` (NaN skipped), a block of steps at a time."""
-    return np.concatenate([np.nanmedian(matrix(ds, series, steps[a:a + BLOCK_STEPS]), axis=0)
-                           for a in range(0, len(steps), BLOCK_STEPS)] or [np.zeros(0)])
+        med = np.abs(np.nanmedian(mean, axis=0))
+        devs = []
+        for v in (lo, hi):
+            dev = np.log2(np.abs(v) / med)
+            dev[np.abs(v) == med] = 0.0  # (0/0: both zero)
+            devs.append(dev)
+        dev = np.where(np.abs(np.nan_to_num(devs[0])) > np.abs(np.nan_to_num(devs[1])), devs[0], devs[1])
+    return (*_by_rows(np.clip(dev, -4, 4), nonfinite, missing, ranks), edges)
 
 
 def _most(a, edges, axis):
@@ -246,7 +239,7 @@ def end_table(ctx: Context) -> Table | None:
                  widths=(12, 9, 22, 16, 18, 8, 15))
 
 
-def _clock(d: RankDigest) -> str:
+def _clock(d: Light) -> str:
     t = d.time_unix[np.isfinite(d.time_unix)] if len(d.time_unix) else np.zeros(0)
     if not len(t):
         return ""

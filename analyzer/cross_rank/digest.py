@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import TraceError
 from ..trace.rank import RankTrace
+from .buckets import Buckets, width_for
 
 # The step's phases as the recorder splits a step's wall time (steps/*_s), in the order they run.
 # "data" is inside "between_steps" in the file (the wait in DataLoader.__next__); here it is apart.
@@ -44,6 +45,7 @@ class RankDigest:
     nccl_env: dict = field(default_factory=dict)
     heartbeat_s: float = 0.0  # the recorder's heartbeat interval (0: none, or an older recorder)
     blackbox_fired: bool = True  # its black box holds a row (True where not known: read the file to see)
+    buckets: Buckets | None = None  # its series in buckets of steps, for the report (buckets.py)
 
     @property
     def step_s(self) -> np.ndarray:
@@ -51,6 +53,13 @@ class RankDigest:
         p = self.phases
         parts = [p["between_steps"] + np.nan_to_num(p["data"]), p["forward"], p["backward"], p["recorder"]]
         return np.nansum(np.vstack(parts), axis=0) if len(self.steps) else np.zeros(0)
+
+    @property
+    def own_s(self) -> np.ndarray:
+        """Its own work per step: waiting for its data, between steps, its forward (NaN: none timed)."""
+        p = self.phases
+        own = np.vstack([p["data"], p["between_steps"], p["forward"]])
+        return np.where(np.isnan(own).all(axis=0), np.nan, np.nansum(own, axis=0)) if len(self.steps) else np.zeros(0)
 
     @property
     def last_step(self) -> int | None:
@@ -95,7 +104,7 @@ def digest_of(rt: RankTrace) -> RankDigest:
                   "typical_step_s": float(ty)}
                  for t, s, p, ps, ss, ty in zip(tail["time_unix"], tail["step"], tail["phase"], tail["phase_s"],
                                                 tail["step_s"], tail["typical_step_s"])]
-    return RankDigest(
+    d = RankDigest(
         rank=int(rt.rank), file=rt.path,
         steps=np.asarray(rt.step_index, dtype=np.int64), time_unix=col("time_s"),
         loss=col("loss"), phases=phases,
@@ -106,6 +115,16 @@ def digest_of(rt: RankTrace) -> RankDigest:
         end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
         last_stack_step=stack_step, nccl_env=rt.nccl_env,
         heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")), blackbox_fired=_fired(rt))
+    series = {"own": d.own_s, "backward": d.phases["backward"], "loss": d.loss, "grad_norm": d.grad_norm,
+              "memory": d.memory}
+    for name in BUCKETED_MEMORY:  # (the report's memory lines of many ranks)
+        v = col(f"{name}_bytes")
+        series[name] = np.where(v >= 0, v, np.nan)
+    d.buckets = Buckets.of(d.steps, series, width_for(d.last_step or 0))
+    return d
+
+
+BUCKETED_MEMORY = ("rss", "cuda_allocated", "cuda_reserved")
 
 
 def _fired(rt: RankTrace) -> bool:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-BEFORE = 20  # the steps before, whose median is a rank's usual value
+from .light import BEFORE, near_at
+
+# BEFORE (light.py): the steps before, whose median is a rank's usual value
 # A rank's loss or local gradient norm this many times its usual (or below 1/x), and this many
 # times further off than any other tied rank's, is the local cause.
 FACTOR = 1.5
@@ -23,13 +25,11 @@ def local_first(ranks: list[int], step: int, digests: dict) -> tuple[int, str] |
     at = {}
     for r in ranks:
         d = digests.get(r)
-        if d is None:
+        w = None if d is None else (d.near.get(step) if hasattr(d, "near") else near_at(d, step))
+        if w is None:
             return None
-        i = int(np.searchsorted(d.steps, step))
-        if i >= len(d.steps) or d.steps[i] != step:
-            return None
-        at[r] = (d, i)
-    grads = {r: d.local_grad[i] for r, (d, i) in at.items()}
+        at[r] = (d, w)
+    grads = {r: w["local_grad"][-1] for r, (d, w) in at.items()}
     measured = [r for r in ranks if _measured(at[r][0])]
     bad = [r for r in measured if not np.isfinite(grads[r])]
     if measured == ranks and 0 < len(bad) < len(ranks):
@@ -44,7 +44,7 @@ def local_first(ranks: list[int], step: int, digests: dict) -> tuple[int, str] |
     for name, what in (("loss", "loss"), ("local_grad", "gradient norm before the ranks' reduction")):
         if name == "local_grad" and not (measured == ranks and not bad):
             break
-        best = _off_usual({r: (getattr(d, name), i) for r, (d, i) in at.items()})
+        best = _off_usual({r: (w[name], w["i"]) for r, (d, w) in at.items()})
         if best is not None:
             r, now, usual = best
             return r, (f"every rank showed it at step {step:,}; rank {r}'s own {what} there was {now:.4g} against "
@@ -55,6 +55,8 @@ def local_first(ranks: list[int], step: int, digests: dict) -> tuple[int, str] |
 
 def _measured(d) -> bool:
     """Whether the rank's trace has local gradient norms (DDP, a recorder that takes them)."""
+    if hasattr(d, "local_measured"):
+        return d.local_measured
     return bool(np.isfinite(d.local_grad).any()) if len(d.local_grad) else False
 
 
@@ -64,12 +66,13 @@ def _what(v: float) -> str:
 
 def _off_usual(series: dict) -> tuple[int, float, float] | None:
     """(rank, value, usual) of the rank whose value at its index was clearly furthest off its
-    usual (the median of its BEFORE values before), or None."""
+    usual (the median of its BEFORE values before), or None. ``series``: rank -> (its values up
+    to the step, the BEFORE before and the step's last; the step's index among its steps)."""
     scores = {}
-    for r, (values, i) in series.items():
+    for r, (window, i) in series.items():
         if i < 3:
             return None
-        before = np.abs(values[max(0, i - BEFORE):i])
+        before, values, i = np.abs(window[:-1]), window, len(window) - 1
         usual = np.median(before[np.isfinite(before)]) if np.isfinite(before).any() else np.nan
         now = values[i]
         if not np.isfinite(now):

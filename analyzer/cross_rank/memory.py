@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from ..findings import Finding
+from .light import peak_by
 
 
 def others_memory(f: Finding, digests: dict) -> Finding:
@@ -33,6 +32,6 @@ def others_memory(f: Finding, digests: dict) -> Finding:
 
 
 def _peak(d, step: int) -> float | None:
-    m = d.memory[d.steps <= step]
-    m = m[np.isfinite(m)]
-    return float(m.max()) if len(m) else None
+    """Its peak memory up to ``step``: asked of it where its series are (light.py), or from them."""
+    peaks = getattr(d, "peaks", None)
+    return peaks.get(step) if peaks is not None else peak_by(d, step)

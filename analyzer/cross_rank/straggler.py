@@ -22,9 +22,9 @@ import numpy as np
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..trace.phases import SPENT_IN
-from .aligned import common_steps, matrix
-
-OWN_PHASES = ("data", "between_steps", "forward")
+from . import step_refs
+from .aligned import common_steps
+from .step_refs import OWN_PHASES
 
 
 @dataclass(frozen=True)
@@ -56,104 +56,82 @@ ORDER = 10
 
 
 def detect(digests, cfg: StragglerConfig, trace=None) -> list[Finding]:
+    """The stragglers' findings from each rank's verdict (``straggle``, judged where its series
+    are: verdict()); a digest without one (a full RankDigest, as tests pass) is judged here."""
     if len(digests) < 2:
         return []
+    verdicts = {r: getattr(d, "straggle", None) for r, d in digests.items()}
+    if any(not hasattr(d, "straggle") for d in digests.values()):
+        verdicts = verdicts_here(digests, cfg)
+    return [_finding(r, v) for r, v in sorted(verdicts.items()) if v]
+
+
+def verdicts_here(digests, cfg: StragglerConfig) -> dict:
+    """{rank: verdict} of full digests held in this process, against exact references."""
+    if len(digests) < 2:
+        return {r: None for r in digests}
+    steps = common_steps(digests)
+    refs = step_refs.exact(digests, steps) if len(steps) >= cfg.min_slow_steps else None
+    return {r: verdict(d, refs, cfg) for r, d in digests.items()}
+
+
+def verdict(d, refs: step_refs.Refs | None, cfg: StragglerConfig) -> dict | None:
+    """Whether one rank (its full digest) straggles against the ranks' per-step references: per
+    step, its own work's excess over the median of the other ranks' and whether that makes the
+    step slow; a straggler from the first slow step of a sustained run in a window mostly slow.
+    None: not a straggler. Exact per step: the references are (step_refs)."""
+    if refs is None or len(refs.steps) < cfg.min_slow_steps:
+        return None
     with warnings.catch_warnings():  # (medians of steps no rank timed: NaN, said nothing of)
         warnings.simplefilter("ignore", RuntimeWarning)
-        return _detect(digests, cfg)
+        return _verdict(d, refs, cfg)
 
 
-def _detect(digests, cfg: StragglerConfig) -> list[Finding]:
-    steps = common_steps(digests)
-    if len(steps) < cfg.min_slow_steps:
-        return []
-    ranks = sorted(digests)
-    excess, slow, med_step, phase_med = _per_step(digests, steps, cfg)
-    findings = []
-    w = max(1, min(cfg.window, len(steps)))
-    kernel = np.ones(w)
-    for i, r in enumerate(ranks):
-        if slow[i].sum() < cfg.min_slow_steps:
-            continue
-        share = np.convolve(slow[i], kernel, mode="valid") / w  # share of slow steps in each window
-        windows = np.flatnonzero(share >= cfg.min_share)
-        if not len(windows):
-            continue
-        # The onset: the first slow step that begins a sustained run (min_slow_steps slow in a row)
-        # -- not an early hiccup such as DDP's bucket rebuild in the second step's forward.
-        run = np.convolve(slow[i], np.ones(cfg.min_slow_steps), mode="valid") >= cfg.min_slow_steps
-        sustained = np.flatnonzero(run[windows[0]:]) + windows[0] if len(run) > windows[0] else np.zeros(0, int)
-        start = int(sustained[0]) if len(sustained) else windows[0] + int(np.argmax(slow[i, windows[0]:windows[0] + w]))
-        mask = slow[i].copy()
-        mask[:start] = False
-        own = {p: matrix({r: digests[r]}, lambda d, p=p: d.phases[p], steps)[0] for p in OWN_PHASES}
-        phase_excess = {p: np.nanmedian(own[p][mask] - phase_med[p][mask]) for p in OWN_PHASES}
-        phase = max(phase_excess, key=lambda p: phase_excess[p])
-        others = {q: d for q, d in digests.items() if q != r}
-        before = ~mask & (np.arange(len(steps)) < start)
-        backward = lambda at: np.nanmedian(matrix(others, lambda d: d.phases["backward"], steps[at]))  # noqa: E731
-        wait = float(backward(mask) - (backward(before) if before.any() else 0.0))
-        n_slow, ex, med = int(mask.sum()), float(np.nanmedian(excess[i, mask])), float(np.nanmedian(med_step[mask]))
-        first, last = int(steps[start]), int(steps[np.flatnonzero(mask)[-1]])
-        waited = f"; the other ranks' backward took {wait:.3g} s longer on those steps: they waited for it " \
-                 "in the gradient all-reduce" if np.isfinite(wait) and wait > 0.5 * ex else ""
-        findings.append(Finding(
-            KIND, "warning", first, [],
-            f"Rank {r} is a straggler from step {first:,}: on {n_slow:,} steps (to step {last:,}) its own work took "
-            f"{ex:.3g} s longer than the median rank's ({100 * ex / med:.0f}% of a {med:.3g} s step), most of it "
-            f"in {SPENT_IN[phase]}{waited}.",
-            {"phase": phase, "excess_s": ex, "median_step_s": med, "slow_steps": n_slow, "last_slow_step": last,
-             "others_wait_s": wait},
-            _ADVICE[phase], rank=r))
-    return findings
-
-
-# Steps judged at once: the (ranks x steps) matrices are built a block of steps at a time, so that
-# 1,024 ranks x 10,000 steps need ~10 of (1,024 x 512) float64 at once, not of (1,024 x 10,000).
-BLOCK_STEPS = 512
-
-
-def _per_step(digests, steps: np.ndarray, cfg: StragglerConfig):
-    """Per rank and step, its own work's excess over the median of the other ranks' and whether
-    that makes the step slow; per step, the median rank's step time and own phases. Every value is
-    of one step (column) alone, so a block of steps at a time gives exactly the whole's."""
-    n_ranks, n = len(digests), len(steps)
-    excess, slow = np.empty((n_ranks, n)), np.empty((n_ranks, n), dtype=bool)
-    med_step, phase_med = np.empty(n), {p: np.empty(n) for p in OWN_PHASES}
-    for a in range(0, n, BLOCK_STEPS):
-        at, cols = slice(a, a + BLOCK_STEPS), steps[a:a + BLOCK_STEPS]
-        ph = {p: matrix(digests, lambda d, p=p: d.phases[p], cols) for p in OWN_PHASES}
-        own = np.nansum(np.stack([ph[p] for p in OWN_PHASES]), axis=0)  # (ranks x steps)
-        med_step[at] = np.nanmedian(matrix(digests, lambda d: d.step_s, cols), axis=0)
-        # Against the median of the other ranks (with two ranks, the other one's).
-        excess[:, at] = own - median_of_others(own)
-        for p in OWN_PHASES:
-            phase_med[p][at] = np.nanmedian(ph[p], axis=0)  # (the median rank's, per step)
-        slow[:, at] = excess[:, at] >= np.maximum(cfg.min_excess_s, cfg.min_excess_share * med_step[at])
-    return excess, slow, med_step, phase_med
-
-
-def median_of_others(x: np.ndarray) -> np.ndarray:
-    """Per column of ``x`` (ranks x steps), each row's median of the other rows' values, NaN
-    skipped (np.nanmedian of x without that row; NaN where the others have no value): exactly,
-    from one sort of each column, not one median per row (ranks^2 x steps)."""
-    n = x.shape[0]
-    order = np.argsort(x, axis=0, kind="stable")  # (NaN last)
-    ordered = np.take_along_axis(x, order, axis=0)
-    pos = np.empty_like(order)  # each row's place in its column's order
-    np.put_along_axis(pos, order, np.arange(n)[:, None], axis=0)
-    present = ~np.isnan(x)
-    others = present.sum(axis=0) - present  # values among the other rows
-    # The k-th smallest of the others: the k-th of the column, one further from the row's own place on.
-
-    def kth(k):
-        k = np.where(present & (k >= pos), k + 1, k)
-        return np.take_along_axis(ordered, np.clip(k, 0, n - 1), axis=0)
-
+def _verdict(d, refs, cfg: StragglerConfig) -> dict | None:
+    steps = refs.steps
+    own = step_refs.series_of(d, steps)
+    excess = own["own"] - refs.median_of_others("own", own["own"])
+    med_step = refs.median("step")
     with np.errstate(invalid="ignore"):
-        med = (kth((others - 1) // 2) + kth(others // 2)) / 2
-    med[others == 0] = np.nan
-    return med
+        slow = excess >= np.maximum(cfg.min_excess_s, cfg.min_excess_share * med_step)
+    if slow.sum() < cfg.min_slow_steps:
+        return None
+    w = max(1, min(cfg.window, len(steps)))
+    share = np.convolve(slow, np.ones(w), mode="valid") / w  # share of slow steps in each window
+    windows = np.flatnonzero(share >= cfg.min_share)
+    if not len(windows):
+        return None
+    # The onset: the first slow step that begins a sustained run (min_slow_steps slow in a row)
+    # -- not an early hiccup such as DDP's bucket rebuild in the second step's forward.
+    run = np.convolve(slow, np.ones(cfg.min_slow_steps), mode="valid") >= cfg.min_slow_steps
+    sustained = np.flatnonzero(run[windows[0]:]) + windows[0] if len(run) > windows[0] else np.zeros(0, int)
+    start = int(sustained[0]) if len(sustained) else windows[0] + int(np.argmax(slow[windows[0]:windows[0] + w]))
+    mask = slow.copy()
+    mask[:start] = False
+    phase_excess = {p: np.nanmedian(own[p][mask] - refs.median(p)[mask]) for p in OWN_PHASES}
+    phase = max(phase_excess, key=lambda p: phase_excess[p])
+    before = ~mask & (np.arange(len(steps)) < start)
+    # The others' backward: per step the median of the other ranks' (their wait shows there).
+    back = refs.median_of_others("backward", own["backward"])
+    wait = float(np.nanmedian(back[mask]) - (np.nanmedian(back[before]) if before.any() else 0.0))
+    return {"first": int(steps[start]), "last": int(steps[np.flatnonzero(mask)[-1]]), "slow_steps": int(mask.sum()),
+            "excess_s": float(np.nanmedian(excess[mask])), "median_step_s": float(np.nanmedian(med_step[mask])),
+            "phase": phase, "others_wait_s": wait}
+
+
+def _finding(r: int, v: dict) -> Finding:
+    ex, med, wait, phase, first, last = (v["excess_s"], v["median_step_s"], v["others_wait_s"], v["phase"],
+                                         v["first"], v["last"])
+    waited = f"; the other ranks' backward took {wait:.3g} s longer on those steps: they waited for it " \
+             "in the gradient all-reduce" if np.isfinite(wait) and wait > 0.5 * ex else ""
+    return Finding(
+        KIND, "warning", first, [],
+        f"Rank {r} is a straggler from step {first:,}: on {v['slow_steps']:,} steps (to step {last:,}) its own work "
+        f"took {ex:.3g} s longer than the median rank's ({100 * ex / med:.0f}% of a {med:.3g} s step), most of it "
+        f"in {SPENT_IN[phase]}{waited}.",
+        {"phase": phase, "excess_s": ex, "median_step_s": med, "slow_steps": v["slow_steps"], "last_slow_step": last,
+         "others_wait_s": wait},
+        _ADVICE[phase], rank=r)
 
 
 _ADVICE = {

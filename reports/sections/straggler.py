@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from ...analyzer.cross_rank import straggler
-from ...analyzer.cross_rank.aligned import common_steps, matrix
 from ...analyzer.findings import Finding
 from ...analyzer.trace.phases import SPENT_IN
 from .. import plots, ranks
@@ -30,20 +27,21 @@ def figure_for(ctx: Context, f: Finding) -> Figure | None:
     ds = ranks.digests(ctx)
     if f.rank not in ds or len(ds) < 2:
         return no_figure(title, "The ranks' step times could not be read.")
-    steps = common_steps(ds)
-    ms = lambda series: lambda d: np.asarray(series(d), dtype=np.float64) * 1000  # noqa: E731
-    own, back = ms(ranks.own_work), ms(lambda d: d.phases["backward"])
-    mine, others = {f.rank: ds[f.rank]}, {r: d for r, d in ds.items() if r != f.rank}
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (steps no other rank timed: a gap)
-        lines = [
-            plots.Line(f"rank {f.rank}: own work", steps, matrix(mine, own, steps)[0], emphasis=True, color="#c62828"),
-            plots.Line("others: own work (median)", steps, ranks.median_rank(others, own, steps), color="#616161"),
-            plots.Line("others: backward (median)", steps, ranks.median_rank(others, back, steps),
-                       color="#1565c0", style="--"),
-            plots.Line(f"rank {f.rank}: backward", steps, matrix(mine, back, steps)[0], color="#ef9a9a", style=":"),
-        ]
-    caption = (f"Milliseconds per step (host clock). Solid: own work (waiting for data, between steps, forward), "
+    others = {r: d for r, d in ds.items() if r != f.rank}
+    ms = lambda xy: (xy[0], np.asarray(xy[1], dtype=np.float64) * 1000)  # noqa: E731
+    own, back = ranks.bucket_lines(others, "own", [], median_label="m"), ranks.bucket_lines(others, "backward", [], median_label="m")
+    mine_own = ranks.bucket_lines({f.rank: ds[f.rank]}, "own", [f.rank])
+    mine_back = ranks.bucket_lines({f.rank: ds[f.rank]}, "backward", [f.rank])
+    if not (own and back and mine_own and mine_back):
+        return no_figure(title, "The ranks' step times could not be read.")
+    line = lambda label, xy, **kw: plots.Line(label, *ms(xy), **kw)  # noqa: E731
+    lines = [
+        line(f"rank {f.rank}: own work", mine_own[f"rank {f.rank}"], emphasis=True, color="#c62828"),
+        line("others: own work (median)", own["m"], color="#616161"),
+        line("others: backward (median)", back["m"], color="#1565c0", style="--"),
+        line(f"rank {f.rank}: backward", mine_back[f"rank {f.rank}"], color="#ef9a9a", style=":"),
+    ]
+    caption = (f"Milliseconds per step (host clock; each point the mean of a bucket of steps). Solid: own work (waiting for data, between steps, forward), "
                f"rank {f.rank} in red against the median of the others in grey; dashed and dotted: the backward "
                f"and optimizer step, in which data-parallel ranks wait for the slowest in "
                f"the gradient all-reduce. From {step(f.step)} rank {f.rank}'s own work grows and the others' "

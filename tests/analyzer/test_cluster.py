@@ -78,7 +78,20 @@ def _split(d):
     return bs
 
 
-BUILT = {"straggler": _straggler, "diverged": _diverged, "hang": _hang, "died": _died, "exploded": _exploded,
+def _oom(d):
+    """Rank 3 runs out of (resident) memory at step 100; the others came to 73-91% of it: the
+    Dask path asks each rank's peak up to that step where the rank is read."""
+    bs = [rank(r) for r in range(RANKS)]
+    for r, b in enumerate(bs):
+        b.set("steps/rss_bytes", np.int64((8 + r) * 2**30))
+    bs[3].row("oom_events", step=100, time_s=1.0, source="exception", device="cpu", requested_bytes=2**30,
+              device_allocated_bytes=-1, device_reserved_bytes=-1, device_free_bytes=-1, device_total_bytes=-1,
+              rss_bytes=11 * 2**30, snapshot=-1, message="DefaultCPUAllocator: can't allocate memory",
+              raised_at="/job/train.py:64 in main")
+    return bs
+
+
+BUILT = {"oom": _oom, "straggler": _straggler, "diverged": _diverged, "hang": _hang, "died": _died, "exploded": _exploded,
          "split": _split, "healthy": lambda d: [rank(r) for r in range(RANKS)]}
 
 
@@ -113,6 +126,27 @@ def test_the_cluster_finds_what_the_local_path_finds(client, case, tmp_path):
     on_dask = _findings(run_dir, scheduler=client)
     assert on_dask == local
     assert case in ("healthy", "copies") or any(f["severity"] != "info" for f in local)  # (a case that shows something)
+
+
+def test_the_sketch_tree_of_several_levels_finds_the_straggler_the_local_path_finds(client, tmp_path, monkeypatch):
+    """Ranks sketched two a task and merged two at a time (a tree of three levels for 8 ranks):
+    the same findings as sorting every rank's values in one process."""
+    from torchautopsy.analyzer import cluster_passes
+
+    monkeypatch.setattr(cluster_passes, "LEAF", 2)
+    monkeypatch.setattr(cluster_passes, "FAN", 2)
+    bs = [rank(r).attrs(world_size=8) for r in range(8)]
+    bs[5].set("steps/forward_s", 0.08, at=slice(120, None))
+    for r, b in enumerate(bs):
+        b.write(tmp_path, rank=r)
+    local = _findings(tmp_path, workers=1)
+    assert [(f["rank"], f["step"]) for f in local if f["kind"] == "straggler"] == [(5, 120)]
+    assert _findings(tmp_path, scheduler=client) == local
+
+
+def test_the_oom_case_tells_how_close_the_other_ranks_came_on_both_paths(client, tmp_path):
+    (oom,) = [f for f in _findings(_run_dir("oom", tmp_path), scheduler=client) if f["kind"] == "out_of_memory"]
+    assert oom["rank"] == 3 and oom["evidence"]["others_memory"]["closest_rank"] == 2
 
 
 def _fails_on_rank_2(trace, r, cfg=None):

@@ -8,7 +8,6 @@ import numpy as np
 from reports_testlib import pdf_pages_text, squeeze
 
 from tests.analyzer.detectors.test_cross_rank import RANKS, _stall, rank
-from torchautopsy.analyzer.cross_rank.aligned import common_steps, matrix
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import load
 from torchautopsy.reports import build_report, render_html, render_pdf
@@ -50,9 +49,9 @@ def test_the_ranks_section_shows_the_straggler_and_where_each_rank_stopped(tmp_p
     # The picture's data: rank 3's own work stands out from step 60, the others' do not.
     ctx = Context(trace, findings, AnalysisConfig())
     ds = rank_section.digests(ctx)
-    steps = common_steps(ds)
-    dev, _ = rank_section._deviation(matrix(ds, rank_section.own_work, steps), np.zeros((RANKS, len(steps)), bool))
-    after = steps >= 60
+    dev, _, _, labels, edges = rank_section._cells(ds, "own")  # (150 steps: a bucket a step)
+    assert len(labels) == RANKS and list(edges[:-1]) == list(range(150))
+    after = edges[:-1] >= 60
     assert dev[3, after].min() > 0.5 and np.abs(dev[:3, after]).max() < 0.3 and np.abs(dev[:, ~after]).max() < 0.3
 
     html = render_html(report)
@@ -85,11 +84,7 @@ def test_past_96_ranks_the_rows_are_groups_and_the_odd_rank_still_shows(tmp_path
     ctx = Context(trace, findings, AnalysisConfig())
     figs = rank_section.figures(ctx)
     assert figs[0].png and "groups of ranks" in figs[0].caption
-    ds = rank_section.digests(ctx)
-    steps = common_steps(ds)
-    values = matrix(ds, rank_section.own_work, steps)
-    dev, nonfinite = rank_section._deviation(values, np.zeros(values.shape, bool))
-    dev, _, _, labels, _ = rank_section._bucketed(dev, nonfinite, np.zeros(values.shape, bool), sorted(ds), steps)
+    dev, _, _, labels, _ = rank_section._cells(rank_section.digests(ctx), "own")
     assert len(labels) <= rank_section.MAX_ROWS and any(lab.startswith("ranks ") for lab in labels)
     row = next(i for i, lab in enumerate(labels) if lab == "rank 77" or (
         lab.startswith("ranks ") and int(lab.split()[1].split("-")[0]) <= 77 <= int(lab.split("-")[-1])))
