@@ -22,7 +22,7 @@ import time
 
 import click
 
-from .cluster import SCHEDULER_HELP, scheduler_for
+from .cluster import SCHEDULER_HELP, prober, scheduler_for
 from .config_file import load_config
 from .display import shorten_words
 from .errors import ClusterError, ConfigError, TraceError
@@ -105,11 +105,12 @@ class _Progress:
             self.bar = None
 
 
-def _load(run_dir: str, n_files: int) -> tuple[Trace, _Progress]:
-    """The run, its files opened with a progress bar (thousands of ranks take minutes), and the bar."""
+def _load(run_dir: str, n_files: int, client=None) -> tuple[Trace, _Progress]:
+    """The run, its files opened with a progress bar (thousands of ranks take minutes), and the
+    bar; with a Dask ``client``, the files are decoded first on its workers (cluster.prober)."""
     progress = _Progress(n_files)
     try:
-        trace = load(run_dir, progress=progress)
+        trace = load(run_dir, progress=progress, prober=None if client is None else prober(client))
     finally:
         progress.close()
     progress.long_run(trace)
@@ -247,7 +248,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
     # checked before a long analysis, not after.
     check_outputs((json_path, html_path, pdf_path, md_path), traces)
     with scheduler_for(scheduler) as client:  # (connected before a long load, so a wrong address is told at once)
-        trace, progress = _load(run_dir, len(traces))
+        trace, progress = _load(run_dir, len(traces), client)
         try:
             progress(0, 1, "running the detectors")
             findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)), scheduler=client,

@@ -54,8 +54,8 @@ def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, c
     check_outputs((None if to_stdout == "json" else json_path, html_path, pdf_path,
                    None if to_stdout == "md" else md_path), files)
     with scheduler_for(scheduler) as client:
-        a, _ = _load(run_a, len(files_a))
-        b, _ = _load(run_b, len(files_b))
+        a, _ = _load(run_a, len(files_a), client)
+        b, _ = _load(run_b, len(files_b), client)
         result = _compared(a, b, rank, client)
 
     from ..reports.diff_text import diff_lines, render_diff_markdown

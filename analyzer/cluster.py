@@ -68,6 +68,7 @@ def connect(address: str) -> Iterator:
     single-threaded worker processes for ``local:N`` (closed on exit). Dask's own log lines are
     kept off the terminal meanwhile: what goes wrong is said in findings or in one line."""
     check_address(address)
+    import dask
     from distributed import Client, LocalCluster
 
     quiet = logging.getLogger("distributed")
@@ -81,6 +82,9 @@ def connect(address: str) -> Iterator:
                     # One thread a worker: HDF5 reads serialize on h5py's lock, so threads would not help.
                     # A free port for the scheduler's HTTP server (None still tries 8787, and warns on
                     # stderr when another cluster on this machine holds it).
+                    # Workers that may start processes (Dask makes them daemons by default, which
+                    # may not): the files' probe children (prober below).
+                    stack.enter_context(dask.config.set({"distributed.worker.daemon": False}))
                     cluster = stack.enter_context(LocalCluster(
                         n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
                         dashboard_address=":0", silence_logs=logging.CRITICAL))
@@ -93,6 +97,47 @@ def connect(address: str) -> Iterator:
             yield client
     finally:
         quiet.setLevel(level)
+
+
+def prober(client):
+    """load()'s prober on the cluster: the files decoded by the workers' probe children
+    (trace/probe.py), PROBE_BATCH files a task, instead of this machine's, so that this process
+    only reads their headers; it trusts what the workers checked (safety.trust: a file of the same
+    identity is not walked again). A batch whose task fails is decoded here, as without a cluster:
+    so it is on workers that may not start processes (Dask's default: start them with
+    DASK_DISTRIBUTED__WORKER__DAEMON=False; ``local:N`` does)."""
+    from distributed import as_completed
+
+    from .trace.probe import checked, damaged
+    from .trace.run_dir import PROBE_BATCH
+
+    def check(files: list[str], sizes: list[int], told) -> dict[str, str]:
+        tag = uuid.uuid4().hex[:8]
+        batches = {}
+        for i in range(0, len(files), PROBE_BATCH):
+            batch = files[i:i + PROBE_BATCH]
+            fut = client.submit(checked, [os.path.abspath(p) for p in batch], sizes[i:i + PROBE_BATCH],
+                                key=f"torchautopsy-probe-{i}-{tag}", pure=False)
+            batches[fut] = (batch, sizes[i:i + PROBE_BATCH])
+        bad, done = {}, 0
+        try:
+            for fut in as_completed(list(batches)):
+                batch, sz = batches.pop(fut)
+                try:
+                    why, keys = fut.result()
+                except Exception:  # (its worker died: decoded here)
+                    bad.update(damaged(batch, sz))
+                else:
+                    safety.trust(keys)
+                    bad.update({p: why[os.path.abspath(p)] for p in batch if os.path.abspath(p) in why})
+                done += len(batch)
+                told(done)
+        finally:
+            if batches:
+                client.cancel(list(batches), force=True)
+        return bad
+
+    return check
 
 
 def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], scheduler,

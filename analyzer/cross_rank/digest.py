@@ -1,7 +1,8 @@
 """What each rank contributes to the cross-rank analysis: a few per-step series and its end,
-computed where the rank is read (a worker process, analyzer/parallel.py), small enough for the
-parent to hold every rank's at once (10,000 steps: ~0.4 MB a rank). The rank's own tables are
-never sent: the parent never holds all ranks' tables."""
+computed where the rank is read (a worker process, analyzer/parallel.py, or a Dask task,
+analyzer/cluster.py): ~0.4 MB a rank at 10,000 steps. The parent keeps only its Light (light.py:
+the series in buckets and the exact values the detectors ask of it); the rank's own tables are
+never sent."""
 
 from __future__ import annotations
 

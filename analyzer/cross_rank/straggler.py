@@ -9,6 +9,12 @@ their backward. Per step, each rank's own work is compared with the median rank'
 excess is at least `min_excess_share` of the median step (and `min_excess_s`) on most steps of a
 window of `window` steps is a straggler from the first slow step of that window.
 
+Each rank is judged alone against the ranks' per-step references (step_refs.py: the order
+statistics around each step's median, from which the median of the *other* ranks follows
+exactly): in this process from every rank's digest, or on a Dask cluster where the rank is read
+against references from merged KLL sketches (analyzer/cluster_passes.py); ``detect`` turns the
+verdicts into findings.
+
 A rank whose backward itself is slow (a slow GPU's kernels) cannot be told this way: every rank
 leaves the all-reduce together; host timing cannot say who was late (benchmarks/README.md)."""
 

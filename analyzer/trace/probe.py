@@ -37,8 +37,17 @@ def deadline_s(size_bytes: int) -> float:
 def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
     """{path: why} for the files whose walk did not finish in time or crashed the walking process.
     Files HDF5 refuses with an error are left to the reader, which says why in its own words."""
+    bad, keys = checked(paths, sizes)
+    safety.trust(keys)  # (opened here, they are not walked again: the child checked them)
+    return bad
+
+
+def checked(paths: list[str], sizes: list[int]) -> tuple[dict[str, str], list]:
+    """damaged()'s {path: why}, and the identities of the files the child walked and checked,
+    for the process that will open them to trust (this one, or the one a Dask worker answers)."""
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     bad: dict[str, str] = {}
+    keys: list = []
     start = 0
     while start < len(paths):
         recv, send = ctx.Pipe(duplex=False)
@@ -59,7 +68,7 @@ def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
                     bad[paths[i]] = (f"{paths[i]} could not be read: decoding it crashed HDF5 (a damaged file); "
                                      "copy it again from the job's run directory")
                     break
-                safety.trust([key])  # (opened here, it is not walked again: the child checked it)
+                keys.append(key)
                 i += 1
         finally:
             if child.is_alive():
@@ -67,7 +76,7 @@ def damaged(paths: list[str], sizes: list[int]) -> dict[str, str]:
             child.join()
             recv.close()
         start = i + 1
-    return bad
+    return bad, keys
 
 
 def _walk_all(paths: list[str], send) -> None:

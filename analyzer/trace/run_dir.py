@@ -82,20 +82,32 @@ def _died_starting(path: str) -> dict[str, str]:
             and n[:-len(STARTING_SUFFIX)] not in names}
 
 
-def load(run_dir, progress: Progress | None = None) -> Trace:
+def probe_here(files: list[str], sizes: list[int], told) -> dict[str, str]:
+    """The files decoded in probe children of this process, PROBE_BATCH at a time: {path: why} of the damaged."""
+    bad: dict[str, str] = {}
+    for start in range(0, len(files), PROBE_BATCH):
+        bad.update(damaged(files[start:start + PROBE_BATCH], sizes[start:start + PROBE_BATCH]))
+        told(min(start + PROBE_BATCH, len(files)))
+    return bad
+
+
+def load(run_dir, progress: Progress | None = None, prober=None) -> Trace:
     """Open a run directory (or one rank file) for reading.
 
     Raises a TraceError subclass with a one-line reason if nothing in it can be analyzed; a
     multi-rank run with some unreadable files loads the readable ones and lists the others in
     ``Trace.unreadable``. ``progress(done, total, what)`` is told as the files are checked and
-    opened (a run of thousands of ranks takes a while: the CLI shows a bar).
+    opened (a run of thousands of ranks takes a while: the CLI shows a bar). ``prober(files,
+    sizes, told)``: decodes the files first instead of this machine's probe children (on a Dask
+    cluster: analyzer/cluster.py's prober), returns {path: why} of the damaged ones and trusts
+    those it checked; ``told(done)`` as it goes.
     """
     run_dir = os.fspath(run_dir)
-    return load_files(run_dir, trace_files(run_dir), progress=progress)
+    return load_files(run_dir, trace_files(run_dir), progress=progress, prober=prober)
 
 
 def load_files(run_dir: str, files: list[str], died_starting: bool = True, probed: bool = False,
-               progress: Progress | None = None) -> Trace:
+               progress: Progress | None = None, prober=None) -> Trace:
     """load() of these rank files of ``run_dir`` (a worker reads one rank's: analyzer/parallel.py),
     each decoded first in a child process with a deadline (probe.py) unless ``probed`` already.
     The work is two passes over the files, each a fixed cost a file: decoding (probe.py) and
@@ -105,11 +117,10 @@ def load_files(run_dir: str, files: list[str], died_starting: bool = True, probe
     unreadable: dict[str, str] = {}
     if progress and not probed:
         progress(0, 2 * n, f"rank files checked: 0 of {n:,}")
-    for start in range(0, 0 if probed else n, PROBE_BATCH):
-        batch = files[start:start + PROBE_BATCH]
-        unreadable.update(damaged(batch, [_size(p) for p in batch]))
-        if progress:
-            progress(start + len(batch), 2 * n, f"rank files checked: {start + len(batch):,} of {n:,}")
+    if not probed:
+        told = (lambda done: progress(done, 2 * n, f"rank files checked: {done:,} of {n:,}")) if progress else \
+            (lambda done: None)
+        unreadable.update((prober or probe_here)(files, [_size(p) for p in files], told))
     first_error = TraceFormatError(next(iter(unreadable.values()))) if unreadable else None
     for i, p in enumerate(files):
         if progress:

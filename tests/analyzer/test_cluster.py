@@ -24,7 +24,8 @@ def client():
     from distributed import Client, LocalCluster
 
     # A task whose worker dies is given up at once (Dask's default retries it 3 times, on fresh workers).
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+    # (workers that may start the files' probe children, as analyze's local:N starts them)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.daemon": False}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="1GiB",
                          dashboard_address=None, silence_logs=logging.CRITICAL) as cluster, Client(cluster) as c:
         yield c
@@ -184,3 +185,29 @@ def test_a_rank_whose_task_fails_is_that_ranks_could_not_read_finding(client, tm
     assert why in lost.summary and lost.evidence["file"].endswith("rank2.h5")
     assert all(d is not None and not any(f.kind == "unreadable_rank" for f in found)
                for r, (found, d) in results.items() if r != 2)
+
+
+def test_the_workers_decode_the_files_first_and_this_process_trusts_what_they_checked(client, tmp_path):
+    """load(prober=cluster.prober(client)): the probe children are the workers' (issue 41, 3),
+    a file HDF5 would decode forever (tests/cli/test_bad_input.py's) is that file's "could not
+    read" after the deadline, and this process opens the others without walking them again."""
+    from torchautopsy.analyzer import cluster
+    from torchautopsy.analyzer.trace import load, safety
+
+    for r in range(3):
+        rank(r).write(tmp_path, rank=r)
+    data = bytearray((SAMPLES / "exploding_cnn" / "rank0.h5").read_bytes())
+    data[706325:706325 + 512] = bytes(512)
+    (tmp_path / "rank3.h5").write_bytes(bytes(data))
+    client.run(lambda: os.environ.__setitem__("TORCHAUTOPSY_READ_DEADLINE_S", "3"))
+    try:
+        told = []
+        trace = load(str(tmp_path), prober=cluster.prober(client),
+                     progress=lambda done, total, what: told.append(what))
+    finally:
+        client.run(lambda: os.environ.pop("TORCHAUTOPSY_READ_DEADLINE_S", None))
+    assert sorted(trace.ranks) == [0, 1, 2]
+    (path, why), = trace.unreadable.items()
+    assert path.endswith("rank3.h5") and "did not finish within 3 s" in why
+    assert all(safety.path_identity(str(tmp_path / f"rank{r}.h5")) is not None for r in range(3))
+    assert "rank files checked: 4 of 4" in told
