@@ -68,7 +68,9 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
         results = per_rank_on(trace, partial(rank_pass, cfg=cfg), scheduler, progress, cfg.straggler)
     digests = lights(results, cfg)
     trace.digests = digests
-    merged = merge([f for found, _ in results.values() for f in found], trace.ranks, digests)
+    of_ranks = [f for found, _ in results.values() for f in found]
+    del results  # (the local path's full digests: what follows reads the Lights only)
+    merged = merge(of_ranks, trace.ranks, digests)
     findings.extend(others_memory(f, digests) for f in merged)
     for det in CROSS_DETECTORS:
         findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(digests, getattr(cfg, det.KIND), trace)))
