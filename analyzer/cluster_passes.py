@@ -10,15 +10,15 @@
    references), with its peak memory up to the steps another rank ran out of memory at; only the
    verdict and those peaks come back.
 
-Steps 2 and 3 read each rank's digest again (its steps table, fingerprints and heartbeats: a
-small part of its pass) rather than keeping every rank's digest in the workers' memory between
+Steps 2 and 3 read each rank's steps table again (its phases and memory: a small part of its
+pass) rather than keeping every rank's digest in the workers' memory between
 passes: a worker that dies loses nothing another task needs, as in step 1. Imported only on the
 Dask path."""
 
 from __future__ import annotations
 
 from .cross_rank import sketches, straggler
-from .cross_rank.digest import digest_of
+from .cross_rank.digest import timing_of
 from .cross_rank.light import finding_steps, light, oom_steps, peak_by
 from .parallel import _one_rank
 
@@ -33,9 +33,9 @@ def first_pass(run_dir, files, rank, rank_pass, passed):
 
 
 def _digest(spec):
-    """In a worker: a rank's digest read again; spec: (run_dir, files, rank, passed)."""
+    """In a worker: a rank's steps, phases and memory read again; spec: (run_dir, files, rank, passed)."""
     run_dir, files, rank, passed = spec
-    return _one_rank(run_dir, files, rank, lambda t, r: (None, digest_of(t.ranks[r])), passed)[1]
+    return _one_rank(run_dir, files, rank, lambda t, r: (None, timing_of(t.ranks[r])), passed)[1]
 
 
 def _leaf(specs):

@@ -67,24 +67,46 @@ class RankDigest:
         return int(self.steps[-1]) if len(self.steps) else None
 
 
-def digest_of(rt: RankTrace) -> RankDigest:
-    """The digest of one rank (reads its steps table, one pass over its gradient norms, its
-    fingerprints and heartbeats)."""
+def _reader(rt: RankTrace):
     def col(name: str, dtype=np.float64) -> np.ndarray:  # (a column an older trace lacks: NaN)
         if rt.lacks(f"steps/{name}"):
             return np.full(rt.n_steps, np.nan, dtype=dtype)
         return rt.columns[name].to_numpy(dtype)
+    return col
 
+
+def _timing(col) -> tuple[dict, np.ndarray, str]:
+    """A rank's phases (each its own) and memory (its kind) from its steps table."""
     phases = {k: col(c, np.float32) for k, c in PHASE_COLUMNS.items()}
     # The file's between_steps_s includes the data wait: apart here, so each phase is its own.
     phases["between_steps"] = np.where(np.isnan(phases["data"]), phases["between_steps"],
                                        phases["between_steps"] - np.nan_to_num(phases["data"]))
     cuda = col("cuda_peak_bytes")
     if (cuda > 0).any():
-        memory, kind = np.where(cuda >= 0, cuda, np.nan), "cuda_peak"
-    else:
-        rss = col("rss_bytes")
-        memory, kind = np.where(rss >= 0, rss, np.nan), "rss"
+        return phases, np.where(cuda >= 0, cuda, np.nan), "cuda_peak"
+    rss = col("rss_bytes")
+    return phases, np.where(rss >= 0, rss, np.nan), "rss"
+
+
+def timing_of(rt: RankTrace) -> RankDigest:
+    """What the straggler's second map reads of a rank again (analyzer/cluster_passes.py): its
+    steps, phases and memory, from its steps table alone (not its gradient norms, fingerprints or
+    heartbeats: at 200 tensors the gradient norms are most of a digest's read)."""
+    col = _reader(rt)
+    phases, memory, kind = _timing(col)
+    nan = np.full(rt.n_steps, np.nan)
+    none = np.zeros(0, dtype=np.int64)
+    return RankDigest(rank=int(rt.rank), file=rt.path, steps=np.asarray(rt.step_index, dtype=np.int64),
+                      time_unix=nan, loss=nan, phases=phases, grad_norm=nan, local_grad=nan, memory=memory,
+                      memory_kind=kind, replicated=False, param_names=[], fp_steps=none, fp_hash=none,
+                      closed_cleanly=rt.closed_cleanly, end_reason="")
+
+
+def digest_of(rt: RankTrace) -> RankDigest:
+    """The digest of one rank (reads its steps table, one pass over its gradient norms, its
+    fingerprints and heartbeats)."""
+    col = _reader(rt)
+    phases, memory, kind = _timing(col)
     fp_steps = rt.fingerprint_steps
     fp_hash = np.zeros(len(fp_steps), dtype=np.int64)
     if len(fp_steps):
