@@ -64,10 +64,15 @@ def growing_group(rt) -> dict | None:
     mine = g[(g[_GROUP_KEY] == pd.Series(grp.key, index=_GROUP_KEY)).all(axis=1)]
     counts = mine.set_index("step")["count"].reindex(sorted(g["step"].unique()), fill_value=0)
     k = int(np.flatnonzero(counts.to_numpy() == counts.min())[-1])
-    since, by = int(counts.index[k]), int(counts.index[min(k + 1, len(counts) - 1)])
+    k1 = min(k + 1, len(counts) - 1)
+    since, by = int(counts.index[k]), int(counts.index[k1])
+    # Where the group's growth rate, run back from the census after its smallest count, meets
+    # that count: the start, when the kept tensors pile up at a steady rate.
+    gained = float(counts.iloc[k1] - counts.iloc[k])
+    started = int(round(min(max(by - gained / grp.tensors_per_step, since), by)))
     cause, advice = _group_cause(grp, modules)
     return {"device": device, "dtype": dtype, "shape": shape, "graph": bool(graph), "grad_fn": grad_fn,
-            "growing_since_step": since, "grown_by_step": by,
+            "growing_since_step": since, "grown_by_step": by, "started_about_step": started,
             "tensors_per_step": grp.tensors_per_step, "bytes_per_step": grp.bytes_per_step,
             "census_steps": [grp.first, grp.last], "modules": modules, "cause": cause, "advice": advice}
 

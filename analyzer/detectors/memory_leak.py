@@ -16,8 +16,10 @@ autograd graph). Heuristic, per series (CUDA allocated, else host RSS), after a 
 The leak is estimated as the fitted slope (bytes per step), dated at the first step from which
 memory stays above its level at the end of the warm-up (a leak already growing then is dated
 back as far as the fitted line explains the memory), within the span the tensor census
-brackets. The tensor census, when it grows too, points at the cause (_leak_causes.py: the census,
-its fastest-growing group of tensors, the CUDA allocator snapshots' sites).
+brackets (memory flat past a census that saw the kept tensors grown: dated where the census's
+count, run back at its rate, starts). The tensor census, when it grows too, points at the cause
+(_leak_causes.py: the census, its fastest-growing group of tensors, the CUDA allocator
+snapshots' sites).
 
 A kept loss whose graph backward() already freed costs only KBs a step: memory hides it for
 thousands of steps. So when memory shows no leak, a census count of tensors holding an autograd
@@ -89,8 +91,8 @@ class Evidence(FindingEvidence, total=False):
     growing_sites: list  # CUDA: allocation sites that grew most between two allocator snapshots
     #                      ({site, bytes_before, bytes_after, blocks_before, blocks_after, stack, steps})
     growing_group: dict  # the census group that grew fastest ({device, dtype, shape, graph, grad_fn,
-    #                      growing_since_step, grown_by_step, tensors_per_step, bytes_per_step,
-    #                      census_steps, modules})
+    #                      growing_since_step, grown_by_step, started_about_step, tensors_per_step,
+    #                      bytes_per_step, census_steps, modules})
     tensors_with_graph_per_step: float  # census count: tensors holding a graph, fitted growth per step
     tensors_with_graph: list  # ... their count at the first and the last census
     censuses: int  # ... how many censuses counted them
@@ -260,6 +262,10 @@ def _leak(rt, steps, y, column, label, cfg) -> Finding | None:
         # before the warm-up's end (memory's own start is blurred by the warm-up) from that census.
         lo, hi = group["growing_since_step"], group["grown_by_step"]
         begin = int(min(max(begin, lo), hi)) if rose else min(begin, lo)
+        if rose and begin == hi > lo:
+            # Memory stood flat past the census that saw the group already grown (an allocator
+            # reusing freed pages hides a leak's first MiBs): the census's count dates it.
+            begin = group["started_about_step"]
         evidence["growing_group"] = {k: v for k, v in group.items() if k not in ("cause", "advice")}
     if column == "cuda_allocated_bytes":
         cause += growing_site(rt, int(m.x[0]), evidence)

@@ -40,6 +40,23 @@ def test_leak_from_the_first_step_names_the_kept_tensors(tmp_path):
     assert f.evidence["growing_group"]["shape"] == "[512, 1024]" and "hook" in f.summary
 
 
+def test_memory_hiding_a_leak_the_census_saw_from_the_start_is_dated_by_the_census(tmp_path):
+    # The allocator reuses freed pages: resident memory stays flat until step 45, while the census
+    # counts the kept tensors growing by one a step from step 0 (censuses at 0, 12, 53, 89: the
+    # recorder's budget spaces them). Dated where the census's count runs back to its start.
+    i = np.arange(100)
+    b = run(GIB + 2 * MIB * np.maximum(i - 45, 0))
+    census = [0, 12, 53, 89]
+    b.set("steps/live_tensors_with_graph", 1, at=census)
+    for s in census:
+        b.census(s, count=1 + s, bytes=2 * MIB * (1 + s), shape="[64, 50, 128]")
+    b.row("module_outputs", module="2", shape="[64, 50, 128]", dtype="float32", grad_fn="")
+    b.write(tmp_path)
+    (f,) = findings(tmp_path, KIND)
+    assert (f.step, f.where) == (0, ["2"])
+    assert (f.evidence["growing_group"]["grown_by_step"], f.evidence["growing_group"]["started_about_step"]) == (12, 0)
+
+
 def test_kept_losses_with_their_graph_while_memory_is_flat(tmp_path):
     b = run(GIB)
     census = list(range(0, 100, 10))
