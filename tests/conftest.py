@@ -11,6 +11,7 @@ unless the real process is the point."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -88,6 +89,23 @@ SLOW_FILES = frozenset({
     "tests/integrations/test_accelerate.py",
     "tests/recorder/test_attention_eager_hf.py",
 })
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytest(tmp_path_factory):
+    """Helpers cached across tests make their directories with tempfile.mkdtemp() (a fixture's
+    tmp_path dies with its test), and torchrun, Dask and Chromium make theirs under TMPDIR: all of
+    them go under pytest's own temporary directory, which pytest prunes (it keeps the last three
+    runs), so the suite leaves nothing behind in /tmp."""
+    root = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir, before = root, os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = root
+    yield
+    tempfile.tempdir = None
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
 
 
 def pytest_ignore_collect(collection_path, config):
