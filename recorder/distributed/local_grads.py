@@ -23,6 +23,7 @@ the one it wraps, the job's own included.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -44,9 +45,11 @@ def find_ddp(model):
 
 def fsdp_param_groups(model) -> list:
     """The FSDP2 parameter groups of the model's fully_shard'ed modules (empty if none)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
+    # A module can be an FSDPModule only once the job has imported FSDP (fully_shard does):
+    # importing it here would add ~0.5 s to every job's start.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    FSDPModule = getattr(fsdp, "FSDPModule", None)
+    if FSDPModule is None:
         return []
     groups = []
     for m in model.modules() if model is not None else ():

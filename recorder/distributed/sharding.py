@@ -12,28 +12,30 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
 import torch
-
-try:
-    from torch.distributed.tensor import DTensor
-except Exception:  # torch built without distributed (some macOS/Windows wheels), or older
-    try:
-        from torch.distributed._tensor import DTensor
-    except Exception:
-        DTensor = None
 
 _GRAD = operator.attrgetter("grad")
 
 
+def _dtensor():
+    """The DTensor class, once the job has imported it (FSDP2's fully_shard and tensor
+    parallelism do): no tensor can be one before. Importing it here would add ~0.5 s to every
+    job's start (torch.distributed.tensor pulls in sympy)."""
+    mod = sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")  # (torch < 2.4)
+    return getattr(mod, "DTensor", None)
+
+
 def is_sharded(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    dtensor = _dtensor()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def local(t):
     """The rank's own part of a DTensor (the tensor itself otherwise): the same storage, no copy,
     no communication."""
-    if DTensor is None or not isinstance(t, DTensor):
+    if not is_sharded(t):
         return t
     inner = getattr(t, "_local_tensor", None)  # (the same object every call: identity checks hold)
     return inner if isinstance(inner, torch.Tensor) else t.to_local()
