@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 from h5py import h5d, h5p, h5s, h5t, h5z
 
+from tests.helpers import invoke_cli, run_cli
 from torchautopsy import load
 from torchautopsy.analyzer.errors import TraceFormatError
 
@@ -122,9 +121,10 @@ CASES = [external_storage, external_link, virtual_dataset, external_link_in_a_ne
 LEAKS = {external_storage, external_link, virtual_dataset, external_link_in_a_new_table}
 
 
-def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "torchautopsy.analyzer.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(*args):
+    # In process (the same main(), exit code and stderr): a refusal is the reader's, before any
+    # report. The CLI as a real process refuses a file below (test_refusal_names_...).
+    return invoke_cli(*args)
 
 
 @pytest.mark.parametrize("craft", CASES, ids=lambda c: c.__name__)
@@ -159,7 +159,8 @@ def test_every_command_refuses_in_one_line(tmp_path, craft):
 def test_refusal_names_the_object_and_the_other_file(tmp_path):
     run, path, n = _copy(tmp_path)
     external_link(tmp_path, path, n)
-    r = _cli("info", run)
+    r = run_cli("info", run)  # a real process: exit 2, one line, no traceback
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert re.search(r"refused: /modules/name is an external link to '.*other\.h5'", r.stderr), r.stderr
 
 
