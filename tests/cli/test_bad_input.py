@@ -34,7 +34,7 @@ def test_empty_directory(tmp_path):
 
 def test_not_hdf5(tmp_path):
     (tmp_path / "rank0.h5").write_text("this is a CSV, not a trace\n1,2,3\n")
-    assert_one_line_error(run_cli("analyze", tmp_path), "not an HDF5 file")
+    assert_one_line_error(invoke_cli("analyze", tmp_path), "not an HDF5 file")
 
 
 @pytest.mark.parametrize("keep", [0, 5, 4096, 0.5])
@@ -50,14 +50,14 @@ def test_truncated(tmp_path, keep):
 def test_foreign_hdf5(tmp_path):
     with h5py.File(tmp_path / "rank0.h5", "w") as f:
         f["weights"] = [1.0, 2.0]
-    assert_one_line_error(run_cli("info", tmp_path), "not a torchautopsy trace")
+    assert_one_line_error(invoke_cli("info", tmp_path), "not a torchautopsy trace")
 
 
 def test_newer_schema(tmp_path):
     shutil.copy(SAMPLES / "healthy_mlp" / "rank0.h5", tmp_path / "rank0.h5")
     with h5py.File(tmp_path / "rank0.h5", "r+") as f:
         f.attrs["schema_version"] = 99
-    assert_one_line_error(run_cli("analyze", tmp_path), "schema 99", "pip install -U torchautopsy")
+    assert_one_line_error(invoke_cli("analyze", tmp_path), "schema 99", "pip install -U torchautopsy")
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,12 +1,13 @@
-"""`torchautopsy diff RUN_A RUN_B` as a user runs it (the real CLI in a subprocess, without torch,
-on the shipped sample traces): the JSON contract, --fail-on parted, the Markdown, HTML and PDF
-reports, and one line with exit code 2 for what cannot be compared."""
+"""`torchautopsy diff RUN_A RUN_B` as a user runs it (the real CLI without torch, on the shipped
+sample traces): the JSON contract, --fail-on parted, the Markdown, HTML and PDF reports, and one
+line with exit code 2 for what cannot be compared. The gate in a real process (its exit code is
+what CI sees); the rest in process (tests.helpers.invoke_cli: the same main, torch hidden)."""
 
 from __future__ import annotations
 
 import json
 
-from tests.helpers import SAMPLES, run_cli
+from tests.helpers import SAMPLES, invoke_cli, run_cli
 
 HEALTHY = SAMPLES / "healthy_mlp"
 BLOWN = SAMPLES / "exploding_lr"  # the same MLP, SGD at lr 0.025: diverges and goes NaN
@@ -24,7 +25,7 @@ def test_a_run_against_itself_is_identical_and_passes_the_gate(tmp_path):
 
 
 def test_a_blown_up_run_parts_and_fails_the_gate(tmp_path):
-    r = run_cli("diff", HEALTHY, BLOWN, "--json", "-", "--fail-on", "parted", "--md", tmp_path / "d.md")
+    r = invoke_cli("diff", HEALTHY, BLOWN, "--json", "-", "--fail-on", "parted", "--md", tmp_path / "d.md")
     assert r.returncode == 1, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc) == {"identical", "parted", "setup", "new_findings"}
@@ -48,20 +49,20 @@ def test_a_blown_up_run_parts_and_fails_the_gate(tmp_path):
 
 
 def test_ranks_are_chosen_or_refused_in_one_line(tmp_path):
-    r = run_cli("diff", HEALTHY, RANKS)
+    r = invoke_cli("diff", HEALTHY, RANKS)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith("Error: A has 1 rank(s) and B 4: give --rank R")
-    r = run_cli("diff", RANKS, RANKS, "--rank", "2", "--json", "-")
+    r = invoke_cli("diff", RANKS, RANKS, "--rank", "2", "--json", "-")
     assert r.returncode == 0 and json.loads(r.stdout)["identical"] is True, r.stderr
     assert "[rank 2, 150 steps]" in r.stderr
-    r = run_cli("diff", RANKS, RANKS, "--rank", "7")
+    r = invoke_cli("diff", RANKS, RANKS, "--rank", "7")
     assert r.returncode == 2 and "has no rank 7 (it has 0, 1, 2, 3)" in r.stderr
 
 
 def test_what_is_not_a_run_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "notes.txt").write_text("not a trace")
     for args in ((HEALTHY, tmp_path / "missing"), (tmp_path / "notes.txt", HEALTHY), (HEALTHY,)):
-        r = run_cli("diff", *args)
+        r = invoke_cli("diff", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("Error") and r.stderr.strip().count("\n") == 0, r.stderr
         assert "Traceback" not in r.stderr
@@ -69,7 +70,7 @@ def test_what_is_not_a_run_is_one_line_and_exit_2(tmp_path):
 
 def test_the_html_report_stands_alone_and_shows_the_parting(tmp_path):
     out = tmp_path / "diff.html"
-    r = run_cli("diff", HEALTHY, BLOWN, "--html", out, block_torch=True)
+    r = invoke_cli("diff", HEALTHY, BLOWN, "--html", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     html = out.read_text()
     # Self-contained: figures inline, no script, nothing fetched.
@@ -92,7 +93,7 @@ def _pdf(path):
 
 def test_the_pdf_report_gives_the_verdict_then_the_figures_setup_and_new_findings(tmp_path):
     out = tmp_path / "diff.pdf"
-    r = run_cli("diff", HEALTHY, WIDE, "--pdf", out, block_torch=True)
+    r = invoke_cli("diff", HEALTHY, WIDE, "--pdf", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     assert f"wrote {out}" in r.stdout and out.read_bytes().startswith(b"%PDF-")
     text, images = _pdf(out)
@@ -107,12 +108,12 @@ def test_the_pdf_report_gives_the_verdict_then_the_figures_setup_and_new_finding
 
 def test_an_identical_pair_gives_a_pdf_that_says_so_and_pdf_is_never_stdout(tmp_path):
     out = tmp_path / "same.pdf"
-    r = run_cli("diff", HEALTHY, HEALTHY, "--pdf", out, block_torch=True)
+    r = invoke_cli("diff", HEALTHY, HEALTHY, "--pdf", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     text, images = _pdf(out)
     assert "BisidenticaltoA,tothebit,overthe300step(s)bothrecorded." in text
     assert "Nodifferencerecordedinthesetup." in text and "Findingsonlyonerunhas" not in text
     assert len(images) == 5
-    r = run_cli("diff", HEALTHY, HEALTHY, "--pdf", "-")
+    r = invoke_cli("diff", HEALTHY, HEALTHY, "--pdf", "-")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "PDF is not written to stdout" in r.stderr
