@@ -93,19 +93,20 @@ def diff_runs(a: Trace, b: Trace, rank: int | None = None, findings: tuple[list,
     """Compare B with A (one rank of each; see pick_rank). ``findings``: each run's findings
     (analyze's), for those one has and the other has not."""
     ra, rb = pick_rank(a, b, rank)
-    steps, _, _ = common_steps(ra, rb)
-    if not len(steps):
-        raise TraceError("A and B share no step number: nothing to compare")
-    first = first_difference(ra, rb) if exact_regime(ra, rb) else None
-    identical = first is None and exact_regime(ra, rb)
-    if first is not None and abs(first.ratio - 1) >= EXACT_TOLERANCE:
-        parted = first
-    else:
-        parted = None if identical else statistical_parting(ra, rb)
-    loss_parted = None
-    if parted is not None and parted.what != "loss":
-        loss_parted = loss_parting(ra, rb, exact=parted.exact)
-    result = DiffResult(ra, rb, identical, parted, loss_parted, first, len(steps), setup_differences(ra, rb))
+    with ra.held(), rb.held():  # (one open of each file for the comparison's ~500 reads)
+        steps, _, _ = common_steps(ra, rb)
+        if not len(steps):
+            raise TraceError("A and B share no step number: nothing to compare")
+        first = first_difference(ra, rb) if exact_regime(ra, rb) else None
+        identical = first is None and exact_regime(ra, rb)
+        if first is not None and abs(first.ratio - 1) >= EXACT_TOLERANCE:
+            parted = first
+        else:
+            parted = None if identical else statistical_parting(ra, rb)
+        loss_parted = None
+        if parted is not None and parted.what != "loss":
+            loss_parted = loss_parting(ra, rb, exact=parted.exact)
+        result = DiffResult(ra, rb, identical, parted, loss_parted, first, len(steps), setup_differences(ra, rb))
     if findings is not None:
         result.new_findings = new_findings(*findings)
     return result
