@@ -18,9 +18,10 @@ import numpy as np
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
-from ..series import row_nanmedian, trailing_median
+from ..series import trailing_median
 from ..trace import RankTrace
-from ..trace.gradients import grad_rms, median_grad_rms, weight_tensors
+from ..trace.gradients import median_grad_rms
+from ..trace.streaming import weight_thirds
 from ._missing import no_gradients
 
 
@@ -70,12 +71,12 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     missing = no_gradients(rt, KIND)
     if missing:
         return missing
-    weights = weight_tensors(rt)
-    if len(weights) < 3:
+    thirds = weight_thirds(rt.param_shapes)
+    if thirds is None:
         return []
-    third = max(1, len(weights) // 3)
-    early, late = slice(0, third), slice(len(weights) - third, len(weights))
-    per_step, ok_rows = _early_to_late_per_step(rt, weights, early, late)
+    weights, early, late = thirds
+    # (made in the digest's pass over the gradient norms, which other detectors read anyway)
+    per_step, ok_rows = rt.digest.early_to_late, rt.digest.weight_grads
     if ok_rows.sum() < cfg.min_window:
         return []
     with warnings.catch_warnings():
@@ -108,22 +109,6 @@ def detect(rt: RankTrace, cfg: VanishingGradientsConfig) -> list[Finding]:
     }
     summary = _summary(evidence, early_min, late_med, near_zero, where[0], step, cfg)
     return [Finding(KIND, "warning", step, where, summary, evidence, ADVICE)]
-
-
-def _early_to_late_per_step(rt: RankTrace, weights: list[int], early: slice,
-                            late: slice) -> tuple[np.ndarray, np.ndarray]:
-    """Per step, the smallest early gradient RMS over the median late one, and whether any
-    weight had a gradient: one pass over the gradient norms, a block at a time."""
-    numel = rt.param_numel[weights].astype(np.float64)
-    per_step = np.full(rt.n_steps, np.nan)
-    ok_rows = np.zeros(rt.n_steps, dtype=bool)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for a, block in rt.blocks("params/grad_norm"):
-            rms = grad_rms(block[:, weights], numel)
-            ok_rows[a:a + len(rms)] = ~np.isnan(rms).all(axis=1)
-            per_step[a:a + len(rms)] = np.nanmin(rms[:, early], axis=1) / row_nanmedian(rms[:, late])
-    return per_step, ok_rows
 
 
 def _summary(ev: dict, early_min: float, late_med: float, near_zero: bool, worst: str, step: int,

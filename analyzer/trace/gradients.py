@@ -10,6 +10,7 @@ import numpy as np
 
 from ..series import evenly_spaced, sample_rows
 from .rank import RankTrace
+from .streaming import grad_rms  # noqa: F401 (detectors import it from here)
 
 # Rows read at most for a per-tensor median over a span: an evenly spaced sample of a long span
 # gives the same median within noise, in bounded memory.
@@ -20,13 +21,6 @@ def weight_tensors(rt: RankTrace) -> list[int]:
     """Indices of the weight tensors (2 or more dimensions: matrices, kernels, embeddings), in
     definition order (depth)."""
     return [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
-
-
-def grad_rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite."""
-    rms = np.asarray(g, dtype=np.float64) / np.sqrt(numel)
-    rms[~np.isfinite(rms)] = np.nan
-    return rms
 
 
 def median_grad_rms(rt: RankTrace, rows: np.ndarray, tensors: list[int]) -> np.ndarray:

@@ -26,7 +26,7 @@ from .memory_tables import MemoryTables
 from .site_tables import SiteTables
 from .step_columns import NOT_MEASURED_IS_MINUS_ONE, STEP_COLUMNS, StepColumns
 from .stored_tensors import StoredTensors
-from .streaming import StepDigest
+from .streaming import StepDigest, early_to_late, weight_thirds
 from .table_reads import TableReads
 
 __all__ = ["STEP_COLUMNS", "RankTrace", "StepColumns"]
@@ -254,12 +254,16 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
             return d
         bad_blocks = self.blocks("params/grad_nonfinite")
         w_blocks = self.blocks("params/param_norm")
+        thirds = weight_thirds(self.param_shapes)
+        if thirds:
+            weights, early, late = thirds
+            numel = self.param_numel[weights].astype(np.float64)
         for (a, g32), (_, bad), (_, w) in zip(self.blocks("params/grad_norm"), bad_blocks, w_blocks):
             counted = bad > 0
             present = ~np.isnan(g32) | counted
             sq = g32.astype(np.float64)
             sq *= sq
-            sq[~present] = 0.0
+            np.copyto(sq, 0.0, where=~present)
             with np.errstate(invalid="ignore", over="ignore"):
                 tot = np.sqrt(sq.sum(axis=1))
             b = slice(a, a + len(g32))
@@ -271,8 +275,11 @@ class RankTrace(TableReads, SiteTables, MemoryTables, StoredTensors, Liveness, T
             d.grad_steps += np.count_nonzero(present, axis=0)
             d.grad_zero_steps += np.count_nonzero(g32 == 0, axis=0)  # (a gradient of 0 is present)
             measured = w >= 0  # (-1: not measured; NaN fails too)
-            d.norm_min = np.minimum(d.norm_min, np.where(measured, w, np.inf).min(axis=0))
-            d.norm_max = np.maximum(d.norm_max, np.where(measured, w, -np.inf).max(axis=0))
+            wf = w if w.dtype.kind == "f" else w.astype(np.float64)  # (a damaged trace's integers)
+            d.norm_min = np.minimum(d.norm_min, wf.min(axis=0, where=measured, initial=np.inf))
+            d.norm_max = np.maximum(d.norm_max, wf.max(axis=0, where=measured, initial=-np.inf))
+            if thirds:
+                d.early_to_late[b], d.weight_grads[b] = early_to_late(g32, weights, numel, early, late)
         # A step AMP's GradScaler skipped: its NaN/Inf gradients are the overflow of the scaled
         # fp16 backward, never applied; the scaler's job, not a failure (loss_scale detector).
         skipped = self.amp_skipped

@@ -4,7 +4,11 @@ nothing here ever holds one whole."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+
+from ..series import row_nanmedian
 
 # A block of rows read at a time holds about this many values (8 MB as float64), whatever the
 # width of the table: wide enough for numpy to be fast, small enough to bound memory.
@@ -46,9 +50,19 @@ class StepDigest:
     grad_steps         steps on which it had a gradient
     grad_zero_steps    ... exactly 0
     norm_min, norm_max its smallest and largest measured weight norm (inf/-inf: never measured)
+
+    and per step, over the weight tensors (weight_thirds; detectors/vanishing_gradients.py):
+
+    early_to_late      the smallest gradient RMS of the first third over the median of the last
+                       third's (NaN: fewer than 3 weight tensors)
+    weight_grads       some weight tensor had a gradient
+
+    (Each is made here rather than by its detector so that a million-step table is read once.)
     """
 
     def __init__(self, n: int, n_params: int = 0):
+        self.early_to_late = np.full(n, np.nan)
+        self.weight_grads = np.zeros(n, dtype=bool)
         self.total_grad_norm = np.full(n, np.nan)
         self.grad_nonfinite = np.zeros(n, dtype=bool)
         self.grad_absent = np.ones(n, dtype=bool)
@@ -57,6 +71,33 @@ class StepDigest:
         self.grad_zero_steps = np.zeros(n_params, dtype=np.int64)
         self.norm_min = np.full(n_params, np.inf)
         self.norm_max = np.full(n_params, -np.inf)
+
+
+def grad_rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Gradient RMS (L2 norm / sqrt(numel)), NaN where not finite."""
+    rms = np.asarray(g, dtype=np.float64) / np.sqrt(numel)
+    rms[~np.isfinite(rms)] = np.nan
+    return rms
+
+
+def weight_thirds(param_shapes) -> tuple[list[int], slice, slice] | None:
+    """The weight tensors (2 or more dimensions: matrices, kernels, embeddings), in definition
+    order (depth), and the first and the last third of them; None for fewer than 3."""
+    weights = [j for j, shape in enumerate(param_shapes) if len(shape) >= 2]
+    if len(weights) < 3:
+        return None
+    third = max(1, len(weights) // 3)
+    return weights, slice(0, third), slice(len(weights) - third, len(weights))
+
+
+def early_to_late(block: np.ndarray, weights: list[int], numel: np.ndarray, early: slice,
+                  late: slice) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a block of gradient norms: the smallest early gradient RMS over the median
+    late one, and whether any weight had a gradient."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rms = grad_rms(block[:, weights], numel)
+        return np.nanmin(rms[:, early], axis=1) / row_nanmedian(rms[:, late]), ~np.isnan(rms).all(axis=1)
 
 
 def _gather(ds, idx: np.ndarray) -> np.ndarray:
