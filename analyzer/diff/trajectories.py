@@ -287,6 +287,17 @@ def _beyond_band(g: _Group, x: np.ndarray, y: np.ndarray, at: np.ndarray, carry:
     if not cols.size:
         return []
     ok, beyond, n = ok[:, cols], beyond[:, cols], len(at)
+    # A stretch can complete only where the values beyond the band (with those carried in) reach
+    # `sustain`, and stays open only where the last measured value is beyond it; the others (two
+    # seeds: most, a lone value beyond the band) just close what they carried.
+    has_ok = ok.any(axis=0)
+    open_at_end = ~has_ok | beyond[n - 1 - ok[::-1].argmax(axis=0), np.arange(len(cols))]
+    keep = open_at_end | (beyond.sum(axis=0) + carry.run[cols] >= g.series[0].sustain)
+    carry.run[cols[~keep]] = 0
+    if not keep.all():
+        cols, ok, beyond = cols[keep], ok[:, keep], beyond[:, keep]
+    if not cols.size:
+        return []
     rows = np.arange(n)[:, None]
     counted = np.cumsum(ok, axis=0)  # values measured through each row
     last_in = np.maximum.accumulate(np.where(ok & ~beyond, rows, -1), axis=0)  # the last inside the band
