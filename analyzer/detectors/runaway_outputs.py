@@ -76,7 +76,7 @@ def detect(rt: RankTrace, cfg: RunawayOutputsConfig) -> list[Finding]:
     rows = np.unique(watched[watched < fail])
     if len(rows) < cfg.baseline_samples + 1:
         return []
-    values = rt.module_rows(rows=rows).to_numpy(dtype=np.float64)[:, col]
+    values = rt.module_rows(rows=rows).iloc[:, col].to_numpy(dtype=np.float64)  # (that column alone as float64)
     ok = np.isfinite(values) & (values >= 0)
     steps = rt.step_index[rows][ok]
     values = values[ok]
