@@ -77,6 +77,18 @@ def test_digest_matches_whole_reads(long_trace):
     np.testing.assert_array_equal(d.grad_absent, ~present.any(axis=1))
     # The synthetic run breaks 300 steps after the explosion starts: the digest sees it.
     assert int(np.flatnonzero(d.grad_nonfinite)[0]) == EXPLODE_AT + 300
+    # vanishing_gradients' per-step ratio, made in the same pass: the first third of the weight
+    # tensors' smallest gradient RMS over the last third's median, as from the whole table.
+    weights = [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
+    third = max(1, len(weights) // 3)
+    assert len(weights) >= 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (all-NaN rows after the run broke)
+        rms = g[:, weights] / np.sqrt(rt.param_numel[weights].astype(np.float64))
+        rms[~np.isfinite(rms)] = np.nan
+        ratio = np.nanmin(rms[:, :third], axis=1) / np.nanmedian(rms[:, -third:], axis=1)
+    np.testing.assert_array_equal(d.early_to_late, ratio)
+    np.testing.assert_array_equal(d.weight_grads, ~np.isnan(rms).all(axis=1))
 
 
 def test_buckets_match_numpy_on_the_whole_table(long_trace):
