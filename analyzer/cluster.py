@@ -141,19 +141,26 @@ def prober(client):
 
 
 def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], scheduler,
-             progress: Callable[[int, int], None] | None = None, straggler_cfg=None) -> dict[int, RankResult]:
+             progress: Callable[[int, int], None] | None = None, cfg=None) -> dict[int, RankResult]:
     """{rank: (findings, Light)} for every rank, each rank's pass a task on the Dask cluster of
     ``scheduler`` (a Client, or an address connect() takes): its digest leaves the worker reduced
-    (cross_rank/light.py). With ``straggler_cfg``, each Light also holds its straggler verdict
-    and peaks, judged on the workers in a second pass (cluster_passes.py). The findings equal
-    parallel.per_rank's; a sharded run is read here and gives full digests, as there."""
+    (cross_rank/light.py). With ``cfg`` (the AnalysisConfig), each Light also holds its straggler
+    verdict and peaks, judged on the workers in a second pass (cluster_passes.py). The findings
+    equal parallel.per_rank's; a sharded run is read here and gives full digests, as there."""
+    return per_rank_counted(trace, rank_pass, scheduler, progress, cfg)[0]
+
+
+def per_rank_counted(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], scheduler,
+                     progress: Callable[[int, int], None] | None = None, cfg=None):
+    """per_rank's results, and with ``cfg`` the ranks' Counts (cross_rank/counters.py) merged in
+    the cluster's tree of tasks (None: not made there; the caller counts from the Lights)."""
     if isinstance(scheduler, str):
         with connect(scheduler) as client:
-            return per_rank(trace, rank_pass, client, progress, straggler_cfg)
+            return per_rank_counted(trace, rank_pass, client, progress, cfg)
     ranks = list(trace.attempts)
     if any(isinstance(rt, WholeParams) for rt in trace.ranks.values()):
         # Sharded parameters (FSDP2): each rank's figures combine every rank's shards, read here.
-        return {r: _own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)) for r in ranks}
+        return {r: _own_problem(trace, r, lambda r=r: _held_pass(trace, r, rank_pass)) for r in ranks}, None
     from distributed import as_completed
 
     from .cluster_passes import first_pass, judge
@@ -165,6 +172,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
     futures = {scheduler.submit(first_pass, run_dir, files[r], r, rank_pass, passed[r],
                                 key=f"torchautopsy-rank-{r}-{tag}", pure=False): r for r in ranks}
     results: dict[int, RankResult] = {}
+    counts = None
     share = Shared()
     try:
         for fut in as_completed(futures):
@@ -173,14 +181,14 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
             fut.release()  # (its result is here now: the cluster need not keep it)
             if progress:
                 progress(len(results), len(ranks))
-        if straggler_cfg is not None:
+        if cfg is not None:
             lights = {r: d for r, (_, d) in results.items() if d is not None}
-            judge(scheduler, {r: (run_dir, files[r], r, passed[r]) for r in lights}, lights,
-                  list(results.values()), straggler_cfg, tag)
+            counts = judge(scheduler, {r: (run_dir, files[r], r, passed[r]) for r in lights}, lights,
+                           list(results.values()), cfg, tag)
     finally:
         if futures:  # (Ctrl-C, or this process failing: the tasks left are of no use to anyone)
             scheduler.cancel(list(futures), force=True)
-    return dict(sorted(results.items()))
+    return dict(sorted(results.items())), counts
 
 
 def _result(fut, rank: int, files: list[str], path: str | None) -> RankResult:

@@ -5,19 +5,21 @@
    its per-step series;
 2. the straggler's per-step references: KLL sketches of a group of ranks' series, made where
    they are read (LEAF ranks a task), merged FAN at a time up a tree and read off at its root
-   (cross_rank/sketches.py): no process ever holds all ranks' rows;
+   (cross_rank/sketches.py); in the same tasks, the exact counters of the ranks' fingerprints
+   and of where each stood at the end (cross_rank/counters.py), which the replica and hang
+   detectors read: no process ever holds all ranks' rows;
 3. each rank judged against them where it is read (straggler.verdict: exact per step given the
    references), with its peak memory up to the steps another rank ran out of memory at; only the
    verdict and those peaks come back.
 
 Steps 2 and 3 read each rank's steps table again (its phases and memory: a small part of its
-pass) rather than keeping every rank's digest in the workers' memory between
+pass; step 2 also its fingerprints and heartbeats) rather than keeping every rank's digest in the workers' memory between
 passes: a worker that dies loses nothing another task needs, as in step 1. Imported only on the
 Dask path."""
 
 from __future__ import annotations
 
-from .cross_rank import sketches, straggler
+from .cross_rank import counters, sketches, straggler
 from .cross_rank.digest import timing_of
 from .cross_rank.light import finding_steps, light, oom_steps, peak_by
 from .parallel import _one_rank
@@ -32,18 +34,29 @@ def first_pass(run_dir, files, rank, rank_pass, passed):
     return found, (None if d is None else light(d, finding_steps(found)))
 
 
-def _digest(spec):
-    """In a worker: a rank's steps, phases and memory read again; spec: (run_dir, files, rank, passed)."""
+def _digest(spec, ends=False):
+    """In a worker: a rank's steps, phases and memory read again (with ``ends``, its fingerprints,
+    heartbeats and end too); spec: (run_dir, files, rank, passed)."""
     run_dir, files, rank, passed = spec
-    return _one_rank(run_dir, files, rank, lambda t, r: (None, timing_of(t.ranks[r])), passed)[1]
+    return _one_rank(run_dir, files, rank, lambda t, r: (None, timing_of(t.ranks[r], ends)), passed)[1]
 
 
-def _leaf(specs):
-    return sketches.leaf([_digest(s) for s in specs])
+def _leaf(specs, hang_cfg):
+    """In a worker: the sketches and counters of a group of ranks."""
+    ds = [_digest(s, ends=True) for s in specs]
+    return sketches.leaf(ds), counters.tree([counters.leaf(d, hang_cfg) for d in ds])
 
 
 def _merge(*parts):
-    return sketches.merged(list(parts))
+    return sketches.merged([p[0] for p in parts]), counters.merged([p[1] for p in parts])
+
+
+def _refs(root):
+    return sketches.refs(root[0])
+
+
+def _counts(root):
+    return root[1]
 
 
 def _verdict(spec, refs, cfg, peak_steps):
@@ -52,33 +65,42 @@ def _verdict(spec, refs, cfg, peak_steps):
     return straggler.verdict(d, refs, cfg), {s: peak_by(d, s) for s in peak_steps}
 
 
-def refs_future(client, specs: list, tag: str):
-    """A future of the straggler's Refs over the ranks of ``specs``, made as a tree of tasks."""
-    level = [client.submit(_leaf, specs[i:i + LEAF], key=f"torchautopsy-sketch-{i}-{tag}", pure=False)
+def tree(client, specs: list, hang_cfg, tag: str):
+    """Futures of the straggler's Refs and of the Counts over the ranks of ``specs``, made as one
+    tree of tasks."""
+    level = [client.submit(_leaf, specs[i:i + LEAF], hang_cfg, key=f"torchautopsy-sketch-{i}-{tag}", pure=False)
              for i in range(0, len(specs), LEAF)]
     depth = 0
     while len(level) > 1:
         depth += 1
         level = [client.submit(_merge, *level[i:i + FAN], key=f"torchautopsy-merge-{depth}-{i}-{tag}", pure=False)
                  for i in range(0, len(level), FAN)]
-    return client.submit(sketches.refs, level[0], key=f"torchautopsy-refs-{tag}", pure=False)
+    return (client.submit(_refs, level[0], key=f"torchautopsy-refs-{tag}", pure=False),
+            client.submit(_counts, level[0], key=f"torchautopsy-counts-{tag}", pure=False), level[0])
 
 
-def judge(client, specs: dict, lights: dict, results: list, cfg, tag: str) -> None:
+def judge(client, specs: dict, lights: dict, results: list, cfg, tag: str):
     """Steps 2-3 for the ranks of ``specs`` ({rank: (run_dir, files, rank, passed)}, whose
-    digests were made): each one's Light in ``lights`` given its verdict and peaks. A rank whose
-    verdict task fails (its worker died each time) keeps no verdict; its own findings stand."""
+    digests were made): each one's Light in ``lights`` given its verdict and peaks; returns the
+    ranks' merged Counts (``cfg``: the AnalysisConfig). A rank whose verdict task fails (its
+    worker died each time) keeps no verdict; its own findings stand. None where the tree failed
+    (a rank that could not be read again): the caller counts from the Lights."""
     if len(specs) < 2:
-        return
+        return None
     peak_steps = oom_steps(results)
-    refs = refs_future(client, [specs[r] for r in sorted(specs)], tag)
-    futs = {client.submit(_verdict, specs[r], refs, cfg, peak_steps, key=f"torchautopsy-judge-{r}-{tag}",
+    refs, counts, root = tree(client, [specs[r] for r in sorted(specs)], cfg.hang, tag)
+    futs = {client.submit(_verdict, specs[r], refs, cfg.straggler, peak_steps, key=f"torchautopsy-judge-{r}-{tag}",
                           pure=False): r for r in specs}
     try:
+        try:
+            merged = counts.result()
+        except Exception:
+            merged = None
         for fut, r in futs.items():
             try:
                 lights[r].straggle, lights[r].peaks = fut.result()
             except Exception:
                 lights[r].straggle, lights[r].peaks = None, {}
     finally:
-        client.cancel([refs, *futs], force=True)
+        client.cancel([refs, counts, root, *futs], force=True)
+    return merged

@@ -8,7 +8,7 @@ from functools import partial
 
 from .config import AnalysisConfig
 from .code_places import with_code
-from .cross_rank import CROSS_DETECTORS, straggler
+from .cross_rank import CROSS_DETECTORS, counters, straggler
 from .cross_rank.light import finding_steps, light, oom_steps
 from .cross_rank.digest import RankDigest, digest_of
 from .cross_rank.memory import others_memory
@@ -60,21 +60,36 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
         if kind == "mixed_runs":  # (a changed world size is a note only: elastic jobs do that)
             findings.append(Finding("mixed_runs", "warning", None, [], note, {},
                                     "Give each run a directory of its own; a restarted job keeps its run's."))
+    counts = None
     if scheduler is None:
         results = per_rank(trace, partial(rank_pass, cfg=cfg), workers, progress)
-    else:  # (the same pass, a Dask task a rank: cluster.py)
-        from .cluster import per_rank as per_rank_on
+    else:  # (the same pass, a Dask task a rank: cluster.py; the counters merged in its tree)
+        from .cluster import per_rank_counted
 
-        results = per_rank_on(trace, partial(rank_pass, cfg=cfg), scheduler, progress, cfg.straggler)
+        results, counts = per_rank_counted(trace, partial(rank_pass, cfg=cfg), scheduler, progress, cfg)
     digests = lights(results, cfg)
     trace.digests = digests
     of_ranks = [f for found, _ in results.values() for f in found]
     del results  # (the local path's full digests: what follows reads the Lights only)
     merged = merge(of_ranks, trace.ranks, digests)
     findings.extend(others_memory(f, digests) for f in merged)
+    if counts is None:  # (the local path; a run of one rank, or a tree that failed, on Dask)
+        counts = _counted(digests, cfg)
     for det in CROSS_DETECTORS:
-        findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(digests, getattr(cfg, det.KIND), trace)))
+        findings.extend(_guarded(det.KIND, "all ranks",
+                                 lambda: det.detect(digests, getattr(cfg, det.KIND), trace, counts=counts)))
     return sort_findings(findings)
+
+
+def _counted(digests: dict, cfg: AnalysisConfig):
+    """The Lights' counters (cross_rank/counters.py) merged here as the Dask path's tree merges
+    them; None where that fails (each detector that reads them then fails alone, and says so)."""
+    try:
+        return counters.of(digests, cfg.hang)
+    except TraceError:
+        raise
+    except Exception:
+        return None
 
 
 def lights(results: dict, cfg: AnalysisConfig) -> dict:

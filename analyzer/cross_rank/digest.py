@@ -88,25 +88,27 @@ def _timing(col) -> tuple[dict, np.ndarray, str]:
     return phases, np.where(rss >= 0, rss, np.nan), "rss"
 
 
-def timing_of(rt: RankTrace) -> RankDigest:
+def timing_of(rt: RankTrace, ends: bool = False) -> RankDigest:
     """What the straggler's second map reads of a rank again (analyzer/cluster_passes.py): its
     steps, phases and memory, from its steps table alone (not its gradient norms, fingerprints or
-    heartbeats: at 200 tensors the gradient norms are most of a digest's read)."""
+    heartbeats: at 200 tensors the gradient norms are most of a digest's read); with ``ends``
+    also its fingerprints, heartbeats and end (what counters.py counts)."""
     col = _reader(rt)
     phases, memory, kind = _timing(col)
     nan = np.full(rt.n_steps, np.nan)
     none = np.zeros(0, dtype=np.int64)
-    return RankDigest(rank=int(rt.rank), file=rt.path, steps=np.asarray(rt.step_index, dtype=np.int64),
-                      time_unix=nan, loss=nan, phases=phases, grad_norm=nan, local_grad=nan, memory=memory,
-                      memory_kind=kind, replicated=False, param_names=[], fp_steps=none, fp_hash=none,
-                      closed_cleanly=rt.closed_cleanly, end_reason="")
+    d = RankDigest(rank=int(rt.rank), file=rt.path, steps=np.asarray(rt.step_index, dtype=np.int64),
+                   time_unix=nan, loss=nan, phases=phases, grad_norm=nan, local_grad=nan, memory=memory,
+                   memory_kind=kind, replicated=False, param_names=[], fp_steps=none, fp_hash=none,
+                   closed_cleanly=rt.closed_cleanly, end_reason="")
+    if ends:
+        for name, value in {**_marks(rt), **_end(rt)}.items():
+            setattr(d, name, value)
+    return d
 
 
-def digest_of(rt: RankTrace) -> RankDigest:
-    """The digest of one rank (reads its steps table, one pass over its gradient norms, its
-    fingerprints and heartbeats)."""
-    col = _reader(rt)
-    phases, memory, kind = _timing(col)
+def _marks(rt: RankTrace) -> dict:
+    """A rank's fingerprint hashes, last heartbeats and last stack."""
     fp_steps = rt.fingerprint_steps
     fp_hash = np.zeros(len(fp_steps), dtype=np.int64)
     if len(fp_steps):
@@ -127,17 +129,31 @@ def digest_of(rt: RankTrace) -> RankDigest:
                   "typical_step_s": float(ty)}
                  for t, s, p, ps, ss, ty in zip(tail["time_unix"], tail["step"], tail["phase"], tail["phase_s"],
                                                 tail["step_s"], tail["typical_step_s"])]
+    return {"fp_steps": fp_steps, "fp_hash": fp_hash, "heartbeats": beats, "last_stack": stack,
+            "last_stack_step": stack_step}
+
+
+def _end(rt: RankTrace) -> dict:
+    """Whether the rank holds whole parameters (replicas compare), their names, how its trace
+    ended, its NCCL environment and heartbeat interval."""
+    return {"replicated": bool((rt.param_shards == 1).all()), "param_names": list(rt.param_names),
+            "end_reason": str(rt.meta.get("end_reason", "")), "nccl_env": rt.nccl_env,
+            "heartbeat_s": _seconds(rt.meta.get("config", {}).get("heartbeat_s"))}
+
+
+def digest_of(rt: RankTrace) -> RankDigest:
+    """The digest of one rank (reads its steps table, one pass over its gradient norms, its
+    fingerprints and heartbeats)."""
+    col = _reader(rt)
+    phases, memory, kind = _timing(col)
+    marks = _marks(rt)  # (read first, as always: a damaged file says the same first problem)
     d = RankDigest(
         rank=int(rt.rank), file=rt.path,
         steps=np.asarray(rt.step_index, dtype=np.int64), time_unix=col("time_s"),
         loss=col("loss"), phases=phases,
         grad_norm=np.asarray(rt.digest.total_grad_norm, dtype=np.float64), local_grad=col("local_grad_norm"),
-        memory=memory, memory_kind=kind,
-        replicated=bool((rt.param_shards == 1).all()), param_names=list(rt.param_names),
-        fp_steps=fp_steps, fp_hash=fp_hash, closed_cleanly=rt.closed_cleanly,
-        end_reason=str(rt.meta.get("end_reason", "")), heartbeats=beats, last_stack=stack,
-        last_stack_step=stack_step, nccl_env=rt.nccl_env,
-        heartbeat_s=_seconds(rt.meta.get("config", {}).get("heartbeat_s")), blackbox_fired=_fired(rt))
+        memory=memory, memory_kind=kind, **_end(rt), closed_cleanly=rt.closed_cleanly, **marks,
+        blackbox_fired=_fired(rt))
     series = {"own": d.own_s, "backward": d.phases["backward"], "loss": d.loss, "grad_norm": d.grad_norm,
               "memory": d.memory}
     for name in BUCKETED_MEMORY:  # (the report's memory lines of many ranks)

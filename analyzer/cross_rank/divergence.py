@@ -12,14 +12,13 @@ train apart by design (local SGD)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
-from .aligned import common_steps
+from . import counters
 from .merge import rank_set
 
 
@@ -42,40 +41,41 @@ MIN_RANKS = 2  # (what it compares: ranks)
 ORDER = 20
 
 
-def detect(digests, cfg: ReplicaDivergenceConfig, trace=None) -> list[Finding]:
-    ranks = sorted(r for r, d in digests.items() if d.replicated and len(d.fp_steps))
-    if len(ranks) < 2 or len({tuple(digests[r].param_names) for r in ranks}) != 1:
+def detect(digests, cfg: ReplicaDivergenceConfig, trace=None, counts=None) -> list[Finding]:
+    """``counts``: the ranks' merged counters (counters.py; made here from ``digests`` if not given)."""
+    if counts is None:
+        counts = counters.of(digests, None) if digests else None
+    fp = None if counts is None else counts.fingerprints
+    if fp is None or len(fp.members) < 2 or fp.mixed or not len(fp.steps):
         return []
-    steps = common_steps({r: digests[r] for r in ranks}, of=lambda d: d.fp_steps)
-    if not len(steps):
-        return []
-    h = np.stack([digests[r].fp_hash[np.searchsorted(digests[r].fp_steps, steps)] for r in ranks])  # ranks x steps
-    agreed = (h == h[0]).all(axis=0)
-    if not agreed.any():
+    ranks = fp.members.tolist()
+    agreed = [len(t.count) == 1 for t in fp.at]
+    if not any(agreed):
         return []  # never the same parameters: not replicas
-    first_agreed = int(np.argmax(agreed))
+    first_agreed = agreed.index(True)
+    steps = fp.steps
     findings, reported = [], set()
     for k in range(first_agreed + 1, len(steps)):
-        counts = Counter(h[:, k].tolist())
-        value, n = counts.most_common(1)[0]
+        t = fp.at[k]
+        value = t.most()
+        n = t.count[value]
         if n * 2 <= len(ranks):  # no majority: they split apart
             left = [r for r in ranks if r not in reported]
             if left:
                 findings.append(_split(steps, k, left, ranks))
             break
-        for i in np.flatnonzero(h[:, k] != value):
-            r = ranks[i]
+        # (the majority's ranks are never listed: the others are, the ranks that left it)
+        for r in sorted(int(r) for v, held in t.listed.items() if v != value for r in held):
             if r in reported:
                 continue
             reported.add(r)
-            majority = ranks[int(np.flatnonzero(h[:, k] == value)[0])]
-            findings.append(_diverged(digests, trace, steps, k, r, majority, n, len(ranks), cfg))
+            findings.append(_diverged(fp.names, trace, steps, k, r, t.first[value], n, len(ranks), cfg))
     return findings
 
 
-def _diverged(digests, trace, steps, k, r, majority, n_majority, n_ranks, cfg) -> Finding:
+def _diverged(names, trace, steps, k, r, majority, n_majority, n_ranks, cfg) -> Finding:
     step, last = int(steps[k]), int(steps[k - 1])
-    names = _differing(digests, trace, r, majority, step)
+    names = _differing(names, trace, r, majority, step)
     every = step - last
     when = f"at step {step:,}" if every == 1 else f"between steps {last + 1:,} and {step:,}"
     what = (f"{len(names):,} parameter{'s' if len(names) != 1 else ''} ({', '.join(names[:3])}"
@@ -107,7 +107,7 @@ def _split(steps, k, left, ranks) -> Finding:
         "rather than one faulty GPU.", rank=None)
 
 
-def _differing(digests, trace, r, majority, step) -> list[str]:
+def _differing(names, trace, r, majority, step) -> list[str]:
     """The names of the parameters whose checksums differ between rank r and a majority rank at
     ``step``, read from their traces (one row each); [] where the rows cannot be read."""
     if trace is None or r not in trace.ranks or majority not in trace.ranks:
@@ -118,7 +118,6 @@ def _differing(digests, trace, r, majority, step) -> list[str]:
             rt = trace.ranks[q]
             idx = int(np.searchsorted(rt.fingerprint_steps, step))
             rows.append(rt.fingerprint_rows([idx])[0])
-        names = digests[r].param_names
         return [names[i] for i in np.flatnonzero(rows[0] != rows[1])]
     except Exception:  # (a damaged row, a rank restarted into attempts: the finding stands without names)
         return []

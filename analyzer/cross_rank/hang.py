@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..trace.phases import PHASES
+from . import counters
 from .merge import rank_set
 
 
@@ -48,48 +49,60 @@ ORDER = 5
 _LIBRARY = re.compile(r"([/\\](site|dist)-packages[/\\])|([/\\]lib[/\\]python\d)|(^<frozen )|([/\\]torchautopsy[/\\])")
 
 
-def detect(digests, cfg: HangConfig, trace=None) -> list[Finding]:
-    if not digests:
+def detect(digests, cfg: HangConfig, trace=None, counts=None) -> list[Finding]:
+    """``counts``: the ranks' merged counters (counters.py; made here from ``digests`` if not given)."""
+    if counts is None:
+        counts = counters.of(digests, cfg) if digests else None
+    if counts is None or not counts.positions.stalled:
         return []
-    state = {r: where_stopped(d, cfg) for r, d in digests.items()}
-    stalled = {r: s for r, s in state.items() if s is not None and s["stalled"]}
-    if not stalled:
-        return []
-    # Ranks recorded without a heartbeat (turned off, an older recorder) cannot say where they stood.
-    ranks = sorted(r for r, d in digests.items() if d.heartbeat_s > 0 or state[r] is not None)
-    # The position of each rank: (step in progress, phase) -- a rank whose trace ended without a
-    # stall (no heartbeat: it crashed or was killed while steps came) stands at its next step's start.
-    pos = {r: (s["step"], PHASES.index(s["phase"]) if s["phase"] in PHASES else 0) if s else
-           ((digests[r].last_step if digests[r].last_step is not None else -1) + 1, -1)
-           for r, s in state.items() if r in ranks}
-    first = min(pos.values())
-    behind = [r for r in ranks if pos[r] == first]
+    pos = counts.positions
+    t = pos.tally
+    # Ranks recorded without a heartbeat (turned off, an older recorder) cannot say where they
+    # stood: the tally counts the others. Its places sort by the rank's position (step in
+    # progress, phase) -- a rank whose trace ended without a stall (no heartbeat: it crashed or
+    # was killed while steps came) stands at its next step's start.
+    ranks = t.members.tolist()
+    first = min(k[:2] for k in t.count)
+    behind_at = sorted((k for k in t.count if k[:2] == first), key=lambda k: t.first[k])
+    behind = sorted(int(r) for k in behind_at for r in t.ranks_of(k))
     # One rank alone, or some ranks behind the others: named. All at one place: none is.
     named = len(ranks) == 1 or len(behind) < len(ranks)
     culprit = behind[0]
-    s = state[culprit] or {"step": first[0], "phase": "", "stalled": False, "at": "", "code": "", "stack": [],
-                           "stalled_s": float("nan")}
-    d = digests[culprit]
-    others = _others(state, pos, [r for r in ranks if r not in behind])
-    nccl = _nccl(digests, trace)
-    summary = _head(s, d, behind, ranks, named, state[culprit] is None) + _tail(others, ranks, behind) + "."
+    rep = pos.rep[behind_at[0]]  # (the culprit's: the smallest rank of its place)
+    s = rep["state"] or {"step": first[0], "phase": "", "stalled": False, "at": "", "code": "", "stack": [],
+                         "stalled_s": float("nan")}
+    last_step = rep["last_step"] if rep["last_step"] is not None else -1
+    others = _others(t, [k for k in t.count if k[:2] != first])
+    nccl = _nccl(pos.nccl, trace)
+    summary = _head(s, rep, behind, ranks, named, rep["state"] is None) + _tail(others, ranks, behind) + "."
     if nccl:
         summary += f" The job also wrote NCCL flight-recorder dumps ({nccl})."
     return [Finding(
         KIND, "error", int(s["step"]), [], summary,
-        {"phase": s["phase"], "last_step": d.last_step if d.last_step is not None else -1,
+        {"phase": s["phase"], "last_step": last_step,
          "stalled_s": s["stalled_s"], "at": s["at"], "code": s["code"], "stack": s["stack"], "others": others,
          **({"nccl_flight_recorder": nccl} if nccl else {})},
         _advice(s, named, len(ranks), nccl), rank=culprit if named else None)]
 
 
-def _head(s: dict, d, behind: list[int], ranks: list[int], named: bool, ended: bool) -> str:
+def place(state: dict | None, last_step: int | None) -> tuple:
+    """Where a rank stood (the key counters.py counts ranks by): its position (step in progress,
+    phase's order) then what the finding groups the other ranks by (step, phase, line, code)."""
+    if state is None:  # (its trace ended while steps came: at its next step's start)
+        step = (last_step if last_step is not None else -1) + 1
+        return (step, -1, step, "", "", "")
+    order = PHASES.index(state["phase"]) if state["phase"] in PHASES else 0
+    return (state["step"], order, state["step"], state["phase"], state["at"], state["code"])
+
+
+def _head(s: dict, rep: dict, behind: list[int], ranks: list[int], named: bool, ended: bool) -> str:
     """Who stopped, where (the step, its phase, the line of the stack) and for how long."""
     where = f"in step {s['step']:,}'s {_phase(s['phase'])}" if s["phase"] else f"before step {s['step']:,}"
     at = f", at {s['at']} (`{s['code']}`)" if s["at"] and s["code"] else (f", at {s['at']}" if s["at"] else "")
     if named and ended:
-        return (f"Rank {behind[0]}'s trace ends after step {d.last_step if d.last_step is not None else -1:,} "
-                f"({d.end_reason or 'killed: not closed'}) while the other ranks were still running")
+        last = rep["last_step"] if rep["last_step"] is not None else -1
+        return (f"Rank {behind[0]}'s trace ends after step {last:,} "
+                f"({rep['end_reason'] or 'killed: not closed'}) while the other ranks were still running")
     if named:
         whose = "its" if len(behind) == 1 else "their"
         return (f"{rank_set(behind, ranks).capitalize()} stopped {where}{at} and made no progress for "
@@ -126,15 +139,14 @@ def where_stopped(d, cfg: HangConfig) -> dict | None:
             "at": at, "code": code, "stack": stack}
 
 
-def _others(state, pos, ranks) -> list[dict]:
-    """The other ranks grouped by where they stood (most ranks first)."""
-    groups: dict[tuple, list[int]] = {}
-    for r in ranks:
-        s = state[r]
-        key = (s["step"], s["phase"], s["at"], s["code"]) if s else (pos[r][0], "", "", "")
-        groups.setdefault(key, []).append(r)
+def _others(t, places) -> list[dict]:
+    """The other ranks grouped by where they stood (most ranks first; ties: the smaller rank first)."""
+    groups: dict[tuple, list] = {}
+    for k in places:
+        groups.setdefault(k[2:], []).append(t.ranks_of(k))
+    rows = [(sorted(int(r) for a in held for r in a), k) for k, held in groups.items()]
     return [{"ranks": rs, "step": k[0], "phase": k[1], "at": k[2], "code": k[3]}
-            for k, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+            for rs, k in sorted(rows, key=lambda row: (-len(row[0]), row[0][0]))]
 
 
 def _others_phrase(group: list[int], ranks: list[int], all_others: bool) -> str:
@@ -149,10 +161,11 @@ def _phase(p: str) -> str:
             "backward": "backward (or optimizer step)", "recorder": "rec.step()"}.get(p, "start")
 
 
-def _nccl(digests, trace) -> str:
+def _nccl(first_env: tuple | None, trace) -> str:
     """Where NCCL's flight recorder dumped (its TORCH_NCCL_DEBUG_INFO_TEMP_FILE prefix, and the dump
-    files found beside the traces), if the job turned it on."""
-    env = next((d.nccl_env for d in digests.values() if d.nccl_env), {})
+    files found beside the traces), if the job turned it on. ``first_env``: (rank, its NCCL
+    environment) of the smallest rank that recorded one."""
+    env = first_env[1] if first_env else {}
     if not (env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or env.get("TORCH_FR_BUFFER_SIZE")):
         return ""
     prefix = env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")

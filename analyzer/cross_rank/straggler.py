@@ -61,9 +61,10 @@ MIN_RANKS = 2  # (what it compares: ranks)
 ORDER = 10
 
 
-def detect(digests, cfg: StragglerConfig, trace=None) -> list[Finding]:
+def detect(digests, cfg: StragglerConfig, trace=None, counts=None) -> list[Finding]:
     """The stragglers' findings from each rank's verdict (``straggle``, judged where its series
-    are: verdict()); a digest without one (a full RankDigest, as tests pass) is judged here."""
+    are: verdict()); a digest without one (a full RankDigest, as tests pass) is judged here.
+    (``counts``: the other cross-rank detectors' counters, not read here.)"""
     if len(digests) < 2:
         return []
     verdicts = {r: getattr(d, "straggle", None) for r, d in digests.items()}
