@@ -44,7 +44,7 @@ def _digest(spec, ends=False):
 def _leaf(specs, hang_cfg):
     """In a worker: the sketches and counters of a group of ranks."""
     ds = [_digest(s, ends=True) for s in specs]
-    return sketches.leaf(ds), counters.tree([counters.leaf(d, hang_cfg) for d in ds])
+    return sketches.leaf(ds), counters.leaf(ds, hang_cfg)
 
 
 def _merge(*parts):

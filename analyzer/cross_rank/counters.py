@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FAN = 8  # tallies merged at once in this process (cluster_passes.FAN on a Dask cluster)
+LEAF, FAN = 32, 8  # ranks a leaf, partials a merge, in this process (as cluster_passes' on a Dask cluster)
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -48,8 +48,28 @@ class Tally:
         return np.setdiff1d(self.members, np.concatenate(others), assume_unique=True) if others else self.members
 
 
-def one(rank: int, value) -> Tally:
-    return Tally(np.array([rank], dtype=np.int64), {value: 1}, {value: int(rank)}, {})
+def tally(ranks: np.ndarray, values: np.ndarray) -> Tally:
+    """The tally of ranks (sorted, int64) holding values (one each, int64)."""
+    if len(ranks) and (values == values[0]).all():  # (the usual: every rank holds one value)
+        v = int(values[0])
+        return Tally(ranks, {v: len(ranks)}, {v: int(ranks[0])}, {})
+    vs, at, inv, n = np.unique(values, return_index=True, return_inverse=True, return_counts=True)
+    out = Tally(ranks, dict(zip(vs.tolist(), n.tolist())), dict(zip(vs.tolist(), ranks[at].tolist())))
+    top = out.most()
+    out.listed = {v: ranks[inv.ravel() == i] for i, v in enumerate(vs.tolist()) if v != top}
+    return out
+
+
+def tally_of(held: dict) -> Tally:
+    """The tally of {rank: value} (values any hashable)."""
+    ranks = np.array(sorted(held), dtype=np.int64)
+    by: dict = {}
+    for r in ranks.tolist():
+        by.setdefault(held[r], []).append(r)
+    out = Tally(ranks, {v: len(rs) for v, rs in by.items()}, {v: rs[0] for v, rs in by.items()})
+    top = out.most()
+    out.listed = {v: np.array(rs, dtype=np.int64) for v, rs in by.items() if v != top}
+    return out
 
 
 def merged_tallies(parts: list[Tally], members: np.ndarray | None = None) -> Tally:
@@ -96,26 +116,33 @@ class Counts:
     positions: Positions
 
 
-def leaf(d, hang_cfg) -> Counts:
-    """The counts of one rank, from its digest (a RankDigest, or a Light: the same fields);
-    without ``hang_cfg`` (a HangConfig) no position is counted."""
+def leaf(ds: list, hang_cfg) -> Counts:
+    """The counts of a group of ranks, from their digests (RankDigests, or Lights: the same
+    fields); without ``hang_cfg`` (a HangConfig) no position is counted."""
     from .hang import place, where_stopped
 
-    r = int(d.rank)
-    if d.replicated and len(d.fp_steps):
-        fp = Fingerprints(np.array([r], dtype=np.int64), tuple(d.param_names), False, np.asarray(d.fp_steps),
-                          [one(r, int(h)) for h in d.fp_hash])
-    else:
-        fp = Fingerprints(_NONE, None, False, None, [])
-    state = None if hang_cfg is None else where_stopped(d, hang_cfg)
-    if hang_cfg is not None and (d.heartbeat_s > 0 or state is not None):
-        p = place(state, d.last_step)
-        pos = Positions(one(r, p), {p: {"state": state, "last_step": d.last_step, "end_reason": d.end_reason}},
-                        bool(state and state["stalled"]), None)
-    else:
-        pos = Positions(Tally(_NONE), {}, False, None)
-    pos.nccl = (r, dict(d.nccl_env)) if d.nccl_env else None
-    return Counts(fp, pos)
+    ds = sorted(ds, key=lambda d: d.rank)
+    reps = [d for d in ds if d.replicated and len(d.fp_steps)]
+    fp = Fingerprints(_NONE, None, False, None, [])
+    if reps:
+        members = np.array([d.rank for d in reps], dtype=np.int64)
+        names = tuple(reps[0].param_names)
+        steps = reps[0].fp_steps
+        for d in reps[1:]:
+            steps = np.intersect1d(steps, d.fp_steps, assume_unique=True)
+        h = np.stack([np.asarray(d.fp_hash, dtype=np.int64)[np.searchsorted(d.fp_steps, steps)] for d in reps])
+        fp = Fingerprints(members, names, any(tuple(d.param_names) != names for d in reps[1:]), np.asarray(steps),
+                          [tally(members, h[:, j]) for j in range(len(steps))])
+    held, rep, stalled = {}, {}, False
+    for d in ds if hang_cfg is not None else ():
+        state = where_stopped(d, hang_cfg)
+        if d.heartbeat_s > 0 or state is not None:
+            p = held[int(d.rank)] = place(state, d.last_step)
+            stalled = stalled or bool(state and state["stalled"])
+            if p not in rep:  # (its smallest rank's: the one a finding names)
+                rep[p] = {"state": state, "last_step": d.last_step, "end_reason": d.end_reason}
+    nccl = next(((int(d.rank), dict(d.nccl_env)) for d in ds if d.nccl_env), None)
+    return Counts(fp, Positions(tally_of(held), rep, stalled, nccl))
 
 
 def merged(parts: list[Counts]) -> Counts:
@@ -156,6 +183,8 @@ def tree(parts: list[Counts], fan: int = FAN) -> Counts | None:
     return parts[0] if parts else None
 
 
-def of(digests: dict, hang_cfg) -> Counts | None:
-    """The Counts of digests held in this process (the local path, or a run of one rank)."""
-    return tree([leaf(d, hang_cfg) for _, d in sorted(digests.items())])
+def of(digests: dict, hang_cfg, group: int = LEAF) -> Counts | None:
+    """The Counts of digests held in this process (the local path, or a run of one rank), made
+    as the Dask path makes them: leaves of ``group`` ranks, merged FAN at a time."""
+    ds = [d for _, d in sorted(digests.items())]
+    return tree([leaf(ds[i:i + group], hang_cfg) for i in range(0, len(ds), group)])

@@ -93,7 +93,7 @@ def test_counters_merged_in_any_tree_equal_the_serial_merge_and_the_plain_count(
     rng = random.Random(seed)
     n = rng.choice([1, 2, 3, 7, 33, 130])
     ranks = {r: _rank(r, rng, skew=rng.choice([0.3, 0.7, 0.97, 1.0])) for r in range(n)}
-    leaves = {r: counters.leaf(d, HANG) for r, d in ranks.items()}
+    leaves = {r: counters.leaf([d], HANG) for r, d in ranks.items()}
     serial = leaves[0]
     for r in range(1, n):
         serial = counters.merged([serial, leaves[r]])
@@ -102,6 +102,8 @@ def test_counters_merged_in_any_tree_equal_the_serial_merge_and_the_plain_count(
     assert want["at"] == plain["at"] and want["positions"] == plain["positions"]
     for fan in (2, 3, 8):
         assert _view(counters.tree(list(leaves.values()), fan)) == want
+    for group in (2, 5, 32):  # (leaves of several ranks, as the Dask tree's tasks make them)
+        assert _view(counters.of(ranks, HANG, group)) == want
     for _ in range(4):
         tree = _random_tree(list(leaves.values()), rng)
         assert _view(tree) == want
@@ -113,10 +115,10 @@ def test_counters_merged_in_any_tree_equal_the_serial_merge_and_the_plain_count(
 def test_a_tally_lists_the_odd_ranks_only():
     """4,096 replicas, two of which left the others at the last step: the merged tally lists
     those two (and nothing for the majority, whose ranks are the ones not listed)."""
-    leaves = [counters.leaf(SimpleNamespace(
+    leaves = [counters.leaf([SimpleNamespace(
         rank=r, replicated=True, fp_steps=np.array([0, 100]), fp_hash=np.array([5, 9 if r in (17, 3000) else 5]),
         param_names=["w"], heartbeats=[], last_stack=None, last_stack_step=None, end_reason="", last_step=100,
-        heartbeat_s=0.0, nccl_env={}), HANG) for r in range(4096)]
+        heartbeat_s=0.0, nccl_env={})], HANG) for r in range(4096)]
     c = counters.tree(leaves)
     last = c.fingerprints.at[1]
     assert last.count == {5: 4094, 9: 2} and {v: a.tolist() for v, a in last.listed.items()} == {9: [17, 3000]}
