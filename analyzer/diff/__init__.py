@@ -42,15 +42,19 @@ class DiffResult:
                 "new_findings": {k: [f.to_dict() for f in v] for k, v in self.new_findings.items()}}
 
     def verdict(self) -> str:
+        """One sentence: whether and where B parts from A, then the first setup differences."""
+        return self._trajectory() + self._setup_words() + "."
+
+    def _trajectory(self) -> str:
         n = f"{self.common_steps:,} step(s) both recorded"
         if self.identical:
-            return f"B is identical to A, to the bit, over the {n}."
+            return f"B is identical to A, to the bit, over the {n}"
         if self.parted is None:
             tail = ""
             if self.first_difference is not None:
                 tail = (f" (they differ by rounding from step {self.first_difference.step:,}, first in "
                         f"the {self.first_difference.what})")
-            return f"B is the same as A within their noise over the {n}{tail}."
+            return f"B is the same as A within their noise over the {n}{tail}"
         p = self.parted
         text = f"B parts from A at step {p.step:,}, first in the {_what(p)}"
         lp = self.loss_parted
@@ -58,7 +62,24 @@ class DiffResult:
             text += f", {lp.step - p.step:,} step(s) before its loss"
         elif lp is None and p.what != "loss":
             text += "; the loss stays within noise"
-        return text + "."
+        return text
+
+    def _setup_words(self) -> str:
+        """The first setup differences, as "; setup: lr 0.001 → 0.002" (the setup table lists all)."""
+        if not self.setup:
+            return ""
+        shown = [f"{s['name']} {_short(s['a'])} → {_short(s['b'])}" for s in self.setup[:SETUP_IN_VERDICT]]
+        more = len(self.setup) - len(shown)
+        return "; setup: " + ", ".join(shown) + (f" and {more:,} more" if more > 0 else "")
+
+
+SETUP_IN_VERDICT = 3  # setup differences the verdict names
+_SETUP_VALUE_CHARS = 40
+
+
+def _short(v) -> str:
+    text = "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+    return text if len(text) <= _SETUP_VALUE_CHARS else text[:_SETUP_VALUE_CHARS - 1] + "…"
 
 
 def _finite(x: float):

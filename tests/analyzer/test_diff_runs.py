@@ -87,6 +87,7 @@ def test_an_lr_doubled_is_a_setup_difference_and_parts_at_once(reference, tmp_pa
     d = diff_runs(reference, _run(tmp_path, lr=0.02))
     assert {"name": "lr", "a": 0.01, "b": 0.02} in d.setup, d.setup
     assert d.parted is not None and d.parted.step == 0 and d.parted.what == "learning rate", d.verdict()
+    assert d.verdict().endswith("; setup: lr 0.01 → 0.02."), d.verdict()  # the cause, in the verdict
 
 
 def test_a_layer_initialised_3x_larger_is_named_at_step_0(reference, tmp_path):

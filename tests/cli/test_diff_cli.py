@@ -43,6 +43,7 @@ def test_a_blown_up_run_parts_and_fails_the_gate(tmp_path):
                for f in doc["new_findings"]["b"])
     md = (tmp_path / "d.md").read_text()
     assert "**Verdict:** B parts from A at step 0, first in the output of fc1" in md
+    assert "; setup: optimizer Adam → SGD, lr 0.001 → 0.025." in md  # what differs, in the verdict
     assert "| optimizer | Adam | SGD |" in md
     # The terminal report went to stderr (stdout holds the JSON alone).
     assert "B parts from A at step 0" in r.stderr and "New in B:" in r.stderr
