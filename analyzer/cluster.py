@@ -79,12 +79,12 @@ def connect(address: str) -> Iterator:
             local = _LOCAL.fullmatch(address)
             try:
                 if local:
-                    # One thread a worker: HDF5 reads serialize on h5py's lock, so threads would not help.
-                    # A free port for the scheduler's HTTP server (None still tries 8787, and warns on
-                    # stderr when another cluster on this machine holds it).
                     # Workers that may start processes (Dask makes them daemons by default, which
                     # may not): the files' probe children (prober below).
                     stack.enter_context(dask.config.set({"distributed.worker.daemon": False}))
+                    # One thread a worker: HDF5 reads serialize on h5py's lock, so threads would not
+                    # help. A free port for the scheduler's HTTP server (None still tries 8787, and
+                    # warns on stderr when another cluster on this machine holds it).
                     cluster = stack.enter_context(LocalCluster(
                         n_workers=int(local.group(1)), threads_per_worker=1, processes=True,
                         dashboard_address=":0", silence_logs=logging.CRITICAL))
