@@ -10,7 +10,7 @@ import numpy as np
 
 from ..series import evenly_spaced, sample_rows
 from .rank import RankTrace
-from .streaming import grad_rms  # noqa: F401 (detectors import it from here)
+from .streaming import grad_rms, weight_indices  # (grad_rms: detectors import it from here)
 
 # Rows read at most for a per-tensor median over a span: an evenly spaced sample of a long span
 # gives the same median within noise, in bounded memory.
@@ -18,9 +18,8 @@ MAX_SPAN_ROWS = 20_000
 
 
 def weight_tensors(rt: RankTrace) -> list[int]:
-    """Indices of the weight tensors (2 or more dimensions: matrices, kernels, embeddings), in
-    definition order (depth)."""
-    return [j for j, shape in enumerate(rt.param_shapes) if len(shape) >= 2]
+    """Indices of the weight tensors, in definition order (streaming.weight_indices)."""
+    return weight_indices(rt.param_shapes)
 
 
 def median_grad_rms(rt: RankTrace, rows: np.ndarray, tensors: list[int]) -> np.ndarray:

@@ -80,10 +80,16 @@ def grad_rms(g: np.ndarray, numel: np.ndarray) -> np.ndarray:
     return rms
 
 
+def weight_indices(param_shapes) -> list[int]:
+    """Indices of the weight tensors (2 or more dimensions: matrices, kernels, embeddings), in
+    definition order (depth)."""
+    return [j for j, shape in enumerate(param_shapes) if len(shape) >= 2]
+
+
 def weight_thirds(param_shapes) -> tuple[list[int], slice, slice] | None:
-    """The weight tensors (2 or more dimensions: matrices, kernels, embeddings), in definition
-    order (depth), and the first and the last third of them; None for fewer than 3."""
-    weights = [j for j, shape in enumerate(param_shapes) if len(shape) >= 2]
+    """The weight tensors (weight_indices) and the first and the last third of them; None for
+    fewer than 3."""
+    weights = weight_indices(param_shapes)
     if len(weights) < 3:
         return None
     third = max(1, len(weights) // 3)
