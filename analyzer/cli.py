@@ -29,7 +29,7 @@ from .errors import ClusterError, ConfigError, TraceError
 from .export import ExportError
 from .findings import not_checked
 from .output import STDOUT, check_outputs, write_output, write_stdout
-from .parallel import workers_for
+from .parallel import files_bytes, workers_for
 from .run import analyze as run_detectors
 from .trace import Trace, load
 
@@ -251,7 +251,7 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         trace, progress = _load(run_dir, len(traces), client)
         try:
             progress(0, 1, "running the detectors")
-            findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts)), scheduler=client,
+            findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts), files_bytes(trace)), scheduler=client,
                                      progress=lambda done, total: progress(done, total,
                                                                            f"ranks analyzed: {done:,} of {total:,}"))
         finally:

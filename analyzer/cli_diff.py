@@ -18,7 +18,7 @@ from .cli import _dash_outputs, _echo_to, _load, _rank_files, cli
 from .cluster import SCHEDULER_HELP, scheduler_for
 from .diff import diff_runs, new_findings, pick_rank
 from .output import check_outputs, write_output, write_stdout
-from .parallel import workers_for
+from .parallel import WORKERS_FROM_BYTES, files_bytes, workers_for
 from .run import analyze as run_detectors
 from .trace import Trace, safety
 from .trace.run_dir import load_files
@@ -96,12 +96,14 @@ def diff(run_a, run_b, rank, json_path, html_path, pdf_path, md_path, fail_on, c
 
 def _compared(a: Trace, b: Trace, rank: int | None, client=None):
     """diff_runs with each run's findings. Runs of one rank (the common case) have their
-    detectors run in two worker processes while this one compares them: a 1M-step pair is
+    detectors run in two worker processes while this one compares them, when the files are big
+    enough to repay starting them (parallel.WORKERS_FROM_BYTES): a 1M-step pair is
     ~25 CPU-s of detectors each beside 16-29 of comparison (measured). Runs of several ranks analyze their
     ranks in workers already (analyze's own pool), so they are analyzed one after the other, as
     they are on a Dask cluster (``client``: --scheduler), each rank a task there."""
     pick_rank(a, b, rank)  # (unusable input: one line, before any worker starts)
-    if len(a.attempts) == 1 and len(b.attempts) == 1 and client is None:
+    if len(a.attempts) == 1 and len(b.attempts) == 1 and client is None \
+            and files_bytes(a, b) >= WORKERS_FROM_BYTES:
         try:
             with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
                 jobs = []
@@ -113,7 +115,8 @@ def _compared(a: Trace, b: Trace, rank: int | None, client=None):
                 return result
         except (OSError, NotImplementedError, BrokenProcessPool):
             pass  # (no worker processes here: the detectors run in this process)
-    findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts)), scheduler=client) for t in (a, b))
+    findings = tuple(run_detectors(t, workers=workers_for(len(t.attempts), files_bytes(t)), scheduler=client)
+                     for t in (a, b))
     return diff_runs(a, b, rank, findings=findings)
 
 

@@ -31,8 +31,29 @@ from .trace.shards import WholeParams
 RankResult = tuple[list[Finding], RankDigest | None]
 
 
-def workers_for(n_ranks: int) -> int:
-    """Worker processes for n ranks: one per CPU this process may use (at most 32), none for one rank."""
+# Below this many bytes of rank files, worker processes cost more than they save: each spawned
+# worker takes ~1.5 CPU-s to start (the interpreter, numpy, pandas, h5py, the analyzer), about
+# what reading ~150 MiB of rank files takes, so smaller runs are read faster in this process
+# (measured: benchmarks/README.md, "Worker processes only where they pay").
+WORKERS_FROM_BYTES = 256 << 20
+
+
+def files_bytes(*traces: Trace) -> int:
+    """The size of the traces' rank files (every attempt's)."""
+    total = 0
+    for t in traces:
+        for attempts in t.attempts.values():
+            for a in attempts:
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(a.trace.path)
+    return total
+
+
+def workers_for(n_ranks: int, nbytes: int = WORKERS_FROM_BYTES) -> int:
+    """Worker processes for n ranks whose files hold ``nbytes``: one per CPU this process may use
+    (at most 32); none for one rank, nor for files too small to repay starting them."""
+    if nbytes < WORKERS_FROM_BYTES:
+        return 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # (macOS, Windows)

@@ -79,3 +79,17 @@ def test_the_only_rank_found_damaged_stops_the_analysis_in_one_line(tmp_path):
     _damaged_after_opening(tmp_path, 1)
     with pytest.raises(TraceError, match="steps/rss_bytes holds"):
         analyze(load(str(tmp_path)), workers=2)
+
+
+def test_workers_start_only_for_files_big_enough_to_repay_them():
+    """A spawned worker costs ~1.5 CPU-s before it reads anything: a 4-rank sample (5.5 MB) took
+    4.6 CPU-s in workers and 2.3 in one process, so the CLI starts them from WORKERS_FROM_BYTES."""
+    from torchautopsy.analyzer import parallel
+    from torchautopsy.analyzer.trace import load
+
+    run = load(str(SAMPLES / "ddp_hang"))
+    size = parallel.files_bytes(run)
+    assert size == sum(os.path.getsize(p) for p in (SAMPLES / "ddp_hang").glob("*.h5"))
+    assert parallel.workers_for(len(run.attempts), size) == 1
+    assert parallel.workers_for(4, parallel.WORKERS_FROM_BYTES) == min(4, len(os.sched_getaffinity(0)))
+    assert parallel.workers_for(1, parallel.WORKERS_FROM_BYTES) == 1

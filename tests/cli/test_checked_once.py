@@ -22,6 +22,7 @@ N_RANKS = 50
 COUNTER = '''
 import os
 import sys
+from torchautopsy.analyzer import parallel
 from torchautopsy.analyzer.trace import format, safety
 
 _run, _open = safety._Walk.run, format._open
@@ -43,6 +44,7 @@ def counted_open(path):
 
 
 safety._Walk.run = run
+parallel.WORKERS_FROM_BYTES = 0  # (these files are small: the workers' opens are counted too)
 for module in list(sys.modules.values()):  # (every module that imported format._open)
     if getattr(module, "__name__", "").startswith("torchautopsy") and getattr(module, "_open", None) is _open:
         module._open = counted_open
