@@ -3,8 +3,10 @@
 terminal (NO_COLOR, FORCE_COLOR, --color/--no-color); lines wrapped at word boundaries on a
 terminal and not at all when piped; a reader closing the pipe ends the command quietly.
 
-The real CLI in a subprocess; a terminal is a real pseudo-terminal (the pty module), sized with
-the TIOCSWINSZ ioctl as a terminal emulator sizes it.
+What a command writes to a pipe is checked in this process (``piped``: tests.helpers.invoke_cli,
+whose stdout and stderr are not terminals, as a pipe's); ``python -m``, a reader closing the pipe
+and a terminal run the real CLI in a subprocess; a terminal is a real pseudo-terminal (the pty
+module), sized with the TIOCSWINSZ ioctl as a terminal emulator sizes it.
 """
 
 import fcntl
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, SAMPLES, run_cli
+from tests.helpers import REPO, SAMPLES, invoke_cli, run_cli
 from tests.tracebuilder import TraceBuilder
 
 NAN = SAMPLES / "nan_birth"
@@ -40,6 +42,18 @@ def module(*args, cwd=None, **env) -> subprocess.CompletedProcess:
     """``python -m torchautopsy ARGS...`` with stdout and stderr piped."""
     return subprocess.run([sys.executable, "-m", "torchautopsy", *map(str, args)], capture_output=True,
                           text=True, timeout=120, env=environ(**env), cwd=cwd or REPO)
+
+
+def piped(*args, cwd=None, **env) -> subprocess.CompletedProcess:
+    """``torchautopsy ARGS...`` in this process, stdout and stderr not terminals (as piped), the
+    environment's colour and size settings unset but for ``env``; run in ``cwd`` if given."""
+    before = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        return invoke_cli(*args, env={**dict.fromkeys(CLEAN), **env})
+    finally:
+        os.chdir(before)
 
 
 def on_terminal(*args, columns: int = 100, **env) -> tuple[int, str, str]:
@@ -70,7 +84,7 @@ def on_terminal(*args, columns: int = 100, **env) -> tuple[int, str, str]:
 
 def findings_of(run, tmp_path) -> list[dict]:
     out = tmp_path / "findings.json"
-    r = module("analyze", run, "--json", out)
+    r = piped("analyze", run, "--json", out)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["findings"]
 
@@ -109,7 +123,7 @@ def test_python_m_is_the_command_itself():
 
 # -- '-' is stdout ---------------------------------------------------------------------------------
 def test_json_dash_writes_only_the_json_to_stdout(tmp_path):
-    r = module("analyze", NAN, "--json", "-", "--fail-on", "error", cwd=tmp_path)
+    r = piped("analyze", NAN, "--json", "-", "--fail-on", "error", cwd=tmp_path)
     assert r.returncode == 1  # --fail-on still decides the exit code
     doc = json.loads(r.stdout)  # nothing but the JSON
     assert doc["findings"] == findings_of(NAN, tmp_path)
@@ -121,13 +135,13 @@ def test_json_dash_writes_only_the_json_to_stdout(tmp_path):
 
 
 def test_md_dash_prints_the_markdown_and_other_outputs_still_go_to_files(tmp_path):
-    r = module("analyze", NAN, "--md", "-", "--json", tmp_path / "f.json")
+    r = piped("analyze", NAN, "--md", "-", "--json", tmp_path / "f.json")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("# torchautopsy report")
     assert "torchautopsy:" not in r.stdout and "wrote" not in r.stdout
     assert f"wrote {tmp_path / 'f.json'}" in r.stderr  # the human lines are on stderr
     assert json.loads((tmp_path / "f.json").read_text())["findings"] == findings_of(NAN, tmp_path)
-    to_file = module("analyze", NAN, "--md", tmp_path / "r.md")
+    to_file = piped("analyze", NAN, "--md", tmp_path / "r.md")
     assert to_file.returncode == 0 and f"wrote {tmp_path / 'r.md'}" in to_file.stdout
     assert (tmp_path / "r.md").read_text(encoding="utf-8") == r.stdout
 
@@ -138,13 +152,13 @@ def test_md_dash_prints_the_markdown_and_other_outputs_still_go_to_files(tmp_pat
     (("--json", "-", "--md", "-"), ("only one output can be '-'",)),
 ])
 def test_dash_refused_where_stdout_makes_no_sense(tmp_path, args, needles):
-    r = module("analyze", NAN, *args, cwd=tmp_path)
+    r = piped("analyze", NAN, *args, cwd=tmp_path)
     assert_one_line_error(r, *needles)
     assert os.listdir(tmp_path) == []  # no file named '-'
 
 
 def test_export_refuses_dash_rather_than_writing_a_file_named_dash(tmp_path):
-    r = module("export", SAMPLES / "healthy_mlp", "--profile", "-", cwd=tmp_path)
+    r = piped("export", SAMPLES / "healthy_mlp", "--profile", "-", cwd=tmp_path)
     assert_one_line_error(r, "'-'", "path of a file")
     assert os.listdir(tmp_path) == []
 
@@ -160,21 +174,21 @@ def test_a_reader_closing_the_pipe_ends_the_command_quietly():
 
 # -- colour ----------------------------------------------------------------------------------------
 def test_piped_and_written_output_holds_no_escape_codes(tmp_path):
-    r = module("analyze", MANY)
+    r = piped("analyze", MANY)
     assert r.returncode == 0 and "ERROR" in r.stdout and not ANSI.search(r.stdout + r.stderr)
     # Forced colour reaches the terminal report only, never a document.
-    forced = module("analyze", MANY, "--md", tmp_path / "r.md", "--json", tmp_path / "f.json", FORCE_COLOR="1")
+    forced = piped("analyze", MANY, "--md", tmp_path / "r.md", "--json", tmp_path / "f.json", FORCE_COLOR="1")
     assert forced.returncode == 0 and ANSI.search(forced.stdout)
     for name in ("r.md", "f.json"):
         assert "\x1b" not in (tmp_path / name).read_text(encoding="utf-8")
-    dash = module("analyze", MANY, "--md", "-", FORCE_COLOR="1")
+    dash = piped("analyze", MANY, "--md", "-", FORCE_COLOR="1")
     assert "\x1b" not in dash.stdout and ANSI.search(dash.stderr)
 
 
 @functools.cache
 def plain_analysis() -> str:
     """What ``analyze MANY`` prints when piped, without colour (run once, not once a case)."""
-    return module("analyze", MANY).stdout
+    return piped("analyze", MANY).stdout
 
 
 @pytest.mark.parametrize("args, env, coloured", [
@@ -186,7 +200,7 @@ def plain_analysis() -> str:
     ((), {"FORCE_COLOR": ""}, False),  # empty means unset
 ])
 def test_colour_when_piped_follows_the_options(args, env, coloured):
-    r = module("analyze", MANY, *args, **env)
+    r = piped("analyze", MANY, *args, **env)
     assert r.returncode == 0, r.stderr
     assert bool(ANSI.search(r.stdout)) == coloured
     assert ANSI.sub("", r.stdout) == plain_analysis()  # colour changes nothing else
@@ -233,12 +247,12 @@ def test_a_narrow_terminal_wraps_between_words(tmp_path, columns, env):
 
 
 def test_piped_output_is_not_wrapped(tmp_path):
-    r = module("analyze", MANY, COLUMNS="60")
+    r = piped("analyze", MANY, COLUMNS="60")
     lines = r.stdout.splitlines()
     for f in told_one_each(findings_of(MANY, tmp_path)):
         assert f"      {f['summary']}" in lines  # one line each, for grep
     TraceBuilder.mlp(layers=3, steps=40).write(tmp_path / "bare")  # no gradient, no loss: "Not checked"
-    lines = module("analyze", tmp_path / "bare", COLUMNS="60").stdout.splitlines()
+    lines = piped("analyze", tmp_path / "bare", COLUMNS="60").stdout.splitlines()
     assert any(line.startswith("  Not checked, as this trace does not hold what they need: ") and len(line) > 60
                for line in lines)
 
