@@ -7,7 +7,8 @@ Trial i uses class i mod (number of classes) and seed S + i div (number of class
 trial is rebuilt with ``python -m tests.hostile.mutations CLASS SEED DIR``. Each trial runs
 analyze (JSON and Markdown), info, load() touching
 every view, one export in turn (--profile, --params last) and --memory-snapshot where the trace
-has snapshots; HTML on every --html-every-th trial of a class, PDF every --pdf-every-th. Prints one
+has snapshots; HTML on every --html-every-th trial of a class, PDF every --pdf-every-th; a
+trial's commands run one after another in one process (tests/hostile/run_case.py). Prints one
 line per trial that broke the contract, then per class: trials, command runs, exit codes
 (0/1/2/other), runs that broke the contract, exit-2 lines that came from the CLI's last-resort
 handler ("caught": within the contract, but an unchecked path), worst wall time and peak RSS of
@@ -28,7 +29,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from tests.hostile.mutations import MUTATIONS, SAMPLES, make_trial
-from tests.hostile.run_cli import commands, run_all
+from tests.hostile.run_cli import commands, run_case
 
 REPO = SAMPLES.parent
 
@@ -53,7 +54,6 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", default=",".join(MUTATIONS))
     ap.add_argument("--html-every", type=int, default=2, help="HTML on every Nth trial of a class (0: never)")
     ap.add_argument("--pdf-every", type=int, default=10, help="PDF on every Nth trial of a class (0: never)")
-    ap.add_argument("--jobs", type=int, default=2, help="commands of a trial run at once")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting trials after this long")
     ap.add_argument("--json", dest="json_path", help="write every run's result here")
     args = ap.parse_args(argv)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             which = ["analyze", "info", "load", "memory", ("profile", "params")[k % 2]]
             which += [w for w, every in (("html", args.html_every), ("pdf", args.pdf_every))
                       if every and k % every == 0]
-            runs = run_all(commands(trial.run_dir, out, trial.has_memory, which), out, args.jobs)
+            runs = run_case(commands(trial.run_dir, out, trial.has_memory, which), out)
             s = stats[cls]
             s["trials"] += 1
             s["bad_trials"] += any(r.violations for r in runs)

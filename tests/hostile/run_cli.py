@@ -1,9 +1,10 @@
-"""Run the real CLI (and the load() API) on a trace as subprocesses and check issue 20's contract.
+"""Run the real CLI (and the load() API) on a trace and check issue 20's contract.
 
-Each command runs in its own process group with a wall-clock limit; its peak memory is its
-ru_maxrss from os.wait4 (KiB on Linux; see LAUNCH), cross-checked by polling VmHWM in /proc, and
-a command that grows past KILL_RSS is killed (a memory bomb must not take the machine down).
-The contract:
+A case's commands run one after another in one subprocess (run_case.py, through the CLI's real
+entry point), in its own process group; each command's peak memory is its own (the runner resets
+VmHWM before it and reads it after), the runner is polled for VmHWM and killed past KILL_RSS (a
+memory bomb must not take the machine down) or when a command runs past the time limit, and if it
+dies the command in flight is the one reported. The contract, for each command:
 
 - exit code 0 or 2 (no command here passes --fail-on, so 1 can only mean an uncaught error, and
   unusable input must be 2, never 1); exit 2 means exactly one non-empty line on stderr;
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,63 +134,108 @@ class Run:
         return "\n".join((self.err.strip() or self.out.strip()).splitlines()[-n:])
 
 
-# ru_maxrss of a child counts its parent's peak too (Linux copies the parent's high-water mark
-# into the child at fork and exec), so a test process that once held 500 MB would see every
-# command "use" 500 MB. The command is therefore forked by this small launcher, which reports
-# the command's own ru_maxrss (KiB) into a file and exits as the command did.
-LAUNCH = r"""
-import os, sys
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[2], sys.argv[2:])
-_, status, usage = os.wait4(pid, 0)
-with open(sys.argv[1], "w") as f:
-    f.write(str(usage.ru_maxrss))
-code = os.waitstatus_to_exitcode(status)
-if code < 0:
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
+RUNNER = Path(__file__).with_name("run_case.py")
 
 
-def _hwm(launcher: int) -> int:
-    """Peak RSS so far (VmHWM) of the launcher's child, 0 if not readable (not started, gone)."""
+def _vm_hwm(pid: int) -> int:
+    """The runner's peak RSS (VmHWM) since its last reset, 0 if not readable (gone)."""
     try:
-        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
-            child = f.read().split()[0]
-        with open(f"/proc/{child}/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, StopIteration):
         return 0
 
 
-def run(label: str, argv: list[str], cwd, files: dict[str, Path] | None = None,
-        timeout: float = TIME_LIMIT_S) -> Run:
-    """Run argv, wait for it while watching time and memory, and check the contract."""
-    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe, \
-            tempfile.NamedTemporaryFile("r", suffix=".maxrss") as rss_file:
-        p = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCH, rss_file.name, *map(str, argv)],
-                             stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, cwd=cwd, env=ENV,
-                             start_new_session=True)  # its own process group: a kill takes both
-        t0, killed, polled = time.monotonic(), None, 0
+def _status(folder: Path) -> tuple[int | None, dict[int, tuple[int, float, int]]]:
+    """The runner's status file: the last command started, and {index: (rc, wall_s, peak)} of those done."""
+    started, done = None, {}
+    try:
+        lines = (folder / "status").read_text().splitlines()
+    except OSError:
+        return None, {}
+    for line in lines:
+        word, *rest = line.split()
+        if word == "start":
+            started = int(rest[0])
+        elif word == "done" and len(rest) == 4:
+            done[int(rest[0])] = (int(rest[1]), float(rest[2]), int(rest[3]))
+    return started, done
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", "replace") if path.exists() else ""
+
+
+def _one_runner(cmds, cwd, timeout: float) -> list[Run]:
+    """Start run_case.py on the commands and watch it: a command in flight past ``timeout``, the
+    case past ``timeout`` per command, or the process past KILL_RSS is killed. Returns the Runs of
+    the commands it finished and of the one in flight if it died (a signal, a native crash, a kill):
+    that one carries the runner's exit status, so check() reports it by name."""
+    with tempfile.TemporaryDirectory(prefix="hostile-case-") as tmp:
+        d = Path(tmp)
+        (d / "spec.json").write_text(json.dumps([{"label": c[0], "argv": list(map(str, c[1]))} for c in cmds]))
+        with open(d / "runner.err", "wb") as runner_err:
+            p = subprocess.Popen([sys.executable, str(RUNNER), str(d)], stdout=runner_err, stderr=runner_err,
+                                 stdin=subprocess.DEVNULL, cwd=cwd, env=ENV,
+                                 start_new_session=True)  # its own process group: a kill takes what it started
+        t0 = time.monotonic()
+        current, t_current, polled, killed = None, t0, 0, None
         while p.poll() is None:
-            polled = max(polled, _hwm(p.pid))
-            if killed is None and (polled > KILL_RSS or time.monotonic() - t0 > timeout):
+            started, done = _status(d)
+            if started is not None and started not in done and started != current:
+                current, t_current, polled = started, time.monotonic(), 0  # the runner reset VmHWM before "start"
+            polled = max(polled, _vm_hwm(p.pid))
+            now = time.monotonic()
+            if polled > KILL_RSS or (current is not None and current not in done and now - t_current > timeout) \
+                    or now - t0 > timeout * len(cmds):
                 killed = "memory" if polled > KILL_RSS else "timeout"
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
                 break
             time.sleep(0.02)
-        wall = time.monotonic() - t0
-        reported = rss_file.read().strip()
-        peak = max(int(reported) * 1024 if reported.isdigit() else 0, polled)
-        fo.seek(0)
-        fe.seek(0)
-        out = fo.read().decode("utf-8", "replace")
-        err = fe.read().decode("utf-8", "replace")
-    r = Run(label, list(map(str, argv)), p.returncode, out, err, wall, peak, killed, files or {})
-    r.violations = check(r)
-    return r
+        end = time.monotonic()
+        started, done = _status(d)
+        runs = []
+        for i, (label, argv, files) in enumerate(cmds):
+            if i in done:
+                rc, wall, peak = done[i]
+                runs.append(Run(label, list(map(str, argv)), rc, _read(d / f"{i}.out"), _read(d / f"{i}.err"),
+                                wall, peak, None, files or {}))
+                continue
+            # Not finished: the runner died in it (or, with no "start" line for it, before it).
+            err = _read(d / f"{i}.err") if started == i else ""
+            err += _read(d / "runner.err")
+            wall = end - (t_current if current == i else t0)
+            runs.append(Run(label, list(map(str, argv)), p.returncode, _read(d / f"{i}.out") if started == i else "",
+                            err, wall, polled, killed, files or {}))
+            break
+    return runs
+
+
+def run_case(cmds, cwd, timeout: float = TIME_LIMIT_S) -> list[Run]:
+    """Run a case's commands ((label, argv, files) as commands() gives them) one after another in
+    one process (run_case.py: an interpreter and the analyzer's import once a case, not once a
+    command), and check each against the contract. If the runner dies, the command in flight is
+    reported and a fresh runner takes the rest."""
+    runs: list[Run] = []
+    while len(runs) < len(cmds):
+        runs += _one_runner(cmds[len(runs):], cwd, timeout)
+    for r in runs:
+        r.violations = check(r)
+    return runs
+
+
+def run(label: str, argv: list[str], cwd, files: dict[str, Path] | None = None,
+        timeout: float = TIME_LIMIT_S) -> Run:
+    """One command, checked (the checker's own test)."""
+    return run_case([(label, argv, files)], cwd, timeout)[0]
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return f"killed by {signal.Signals(n).name}"
+    except ValueError:
+        return f"killed by signal {n}"
 
 
 def check(r: Run) -> list[str]:
@@ -204,7 +249,7 @@ def check(r: Run) -> list[str]:
     if "Traceback" in r.out or "Traceback" in r.err:
         v.append("traceback: " + r.tail(1)[:200])
     if r.killed is None and r.rc not in (0, 2):
-        v.append(f"exit_code: {r.rc}")
+        v.append(f"exit_code: {r.rc}" + (f" ({_signal_name(-r.rc)})" if r.rc < 0 else ""))
     if r.rc == 2:
         lines = [line for line in r.err.splitlines() if line.strip()]
         if len(lines) != 1:
@@ -279,12 +324,6 @@ def commands(run_dir: Path, out: Path, has_memory: bool,
         pk = out / "m.pickle"
         cmds.append(("export --memory-snapshot", CLI + ["export", rd, "--memory-snapshot", str(pk)], {"pickle": pk}))
     return cmds
-
-
-def run_all(cmds, cwd, jobs: int = 2) -> list[Run]:
-    """Run the commands, ``jobs`` at a time (each is its own process; memory is per process)."""
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda c: run(c[0], c[1], cwd, c[2]), cmds))
 
 
 if __name__ == "__main__":  # python -m tests.hostile.run_cli RUN: the load() driver alone, to reproduce

@@ -1,8 +1,8 @@
 """Damaged and hostile traces (issue 20): a seeded, bounded fuzzing campaign over real sample
-traces, run through the real CLI and load() as subprocesses.
+traces, run through the real CLI and load() in a subprocess.
 
-Each case is one mutation class with one seed (tests/hostile/mutations.py) and a few commands
-(tests/hostile/run_cli.py checks the contract: exit 0 or 2, one line on exit 2, no traceback,
+Each case is one mutation class with one seed (tests/hostile/mutations.py) and a few commands, run
+one after another in one subprocess (tests/hostile/run_case.py; tests/hostile/run_cli.py checks the contract: exit 0 or 2, one line on exit 2, no traceback,
 no raw control characters, no unescaped markup, at most 60 s and 1 GiB): one seed a class, and
 the cases the issue names, 28 cases. More seeds: TORCHAUTOPSY_FUZZ_SEEDS=0,1,2,3 pytest ...; the
 full campaign with a table of counts: python -m tests.hostile.campaign.
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.hostile.mutations import LONG_INT, MUTATIONS, SCRIPT, kind_of, make_trial, seed_for
-from tests.hostile.run_cli import commands, run, run_all
+from tests.hostile.run_cli import commands, run, run_case
 
 SEEDS = [int(s) for s in os.environ.get("TORCHAUTOPSY_FUZZ_SEEDS", "0").split(",")]
 # The cases issue 20 measured, by name (each is a seed: the seed picks a class's variant).
@@ -47,7 +47,8 @@ def which(cls: str, seed: int) -> tuple[str, ...]:
 
 def report(trial, runs) -> str:
     """What failed, and how to reproduce it: the mutation, the seed, the command."""
-    lines = [f"{trial.label}"]
+    # Each command's line reproduces it alone; the case ran them in one process, in this order.
+    lines = [f"{trial.label}", f"  (one process, in order: {', '.join(r.label for r in runs)})"]
     for r in runs:
         if r.violations:
             cmd = r.command().replace(str(trial.run_dir), "RUN").replace(str(trial.run_dir.parent / "out"), "OUT")
@@ -63,7 +64,7 @@ def test_hostile_trace(tmp_path, cls, seed):
     out = tmp_path / "out"
     out.mkdir()
     try:
-        runs = run_all(commands(trial.run_dir, out, trial.has_memory, which(cls, seed)), out)
+        runs = run_case(commands(trial.run_dir, out, trial.has_memory, which(cls, seed)), out)
     finally:
         shutil.rmtree(trial.run_dir)  # some classes write 100+ MB; the seed rebuilds them
     bad = [r for r in runs if r.violations]
