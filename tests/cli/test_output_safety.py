@@ -325,26 +325,33 @@ def _all_reports(run_dir, out_dir):
 def test_every_report_is_written_whatever_the_names_hold(tmp_path):
     """Issue 38 (5): invalid UTF-8 in an attribute, a lone surrogate in the config's JSON, a run
     directory named in bytes that are not UTF-8 made analyze exit 2 with only the JSON written;
-    terminal title and colour sequences in a run directory's name reached the terminal raw."""
+    terminal title and colour sequences in a run directory's name reached the terminal raw.
+
+    One full build holds all four (each was a run of its own, four report builds): the directory's
+    name holds the non-UTF-8 bytes and the escapes, its trace both bad attributes. Together they
+    cannot hide one another: each alone broke "exit 0, every report written, no raw ESC or BEL
+    on stdout", so any of them still breaking it fails this run; and each is shown to reach what
+    renders it (the name on stdout, escaped, and in the reports; both attributes in the HTML), so
+    none went unread because another came first."""
     import os
 
     import h5py
     import numpy as np
 
-    src = SAMPLES / "nan_birth" / "rank0.h5"
-    runs = {"attr": tmp_path / "attr", "surrogate": tmp_path / "surr", "bytes": os.path.join(os.fsencode(tmp_path), b"run\xff\xfe"),
-            "escapes": tmp_path / "run\x1b]0;pwned\x07\x1b[31mred"}
-    for run in runs.values():
-        os.makedirs(run)
-        shutil.copy(src, os.path.join(os.fsencode(run), b"rank0.h5"))
-    with h5py.File(runs["attr"] / "rank0.h5", "r+") as f:
+    name = b"run\xff\xfe\x1b]0;pwned\x07\x1b[31mred"  # not UTF-8, and a title and a colour sequence
+    run = os.path.join(os.fsencode(tmp_path), name)
+    os.makedirs(run)
+    shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", os.path.join(run, b"rank0.h5"))
+    with h5py.File(os.path.join(run, b"rank0.h5"), "r+") as f:
         f.attrs["host"] = np.bytes_(b"node\xff\xfe01")
-    with h5py.File(runs["surrogate"] / "rank0.h5", "r+") as f:
         f.attrs["config"] = f.attrs["config"][:-1] + ', "note": "\\ud800x"}'
-    for name, run in runs.items():
-        out = tmp_path / f"out_{name}"
-        out.mkdir()
-        r, outs = _all_reports(run, out)
-        assert r.returncode == 0, (name, r.stderr)
-        assert all(os.path.getsize(p) > 0 for p in outs), name
-        assert b"\x1b" not in r.stdout and b"\x07" not in r.stdout, name
+    out = tmp_path / "out"
+    out.mkdir()
+    r, outs = _all_reports(run, out)  # a fresh interpreter: the name reaches it as bytes in argv
+    assert r.returncode == 0, r.stderr
+    assert all(os.path.getsize(p) > 0 for p in outs)
+    assert b"\x1b" not in r.stdout and b"\x07" not in r.stdout
+    assert b"\\x1b]0;pwned\\x07\\x1b[31mred" in r.stdout  # the name was shown, escaped
+    html = open(outs[1], encoding="utf-8").read()
+    assert "node\ufffd\ufffd01" in html and "note=\ufffdx" in html, "an attribute did not reach the report"
+    assert all("pwned" in open(p, encoding="utf-8").read() for p in (outs[0], outs[1], outs[3]))
