@@ -153,7 +153,7 @@ def per_rank(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], schedu
 def per_rank_counted(trace: Trace, rank_pass: Callable[[Trace, int], RankResult], scheduler,
                      progress: Callable[[int, int], None] | None = None, cfg=None):
     """per_rank's results, and with ``cfg`` the ranks' Counts (cross_rank/counters.py) merged in
-    the cluster's tree of tasks (None: not made there; the caller counts from the Lights)."""
+    the cluster's tree of tasks (None: not made there; the caller counts them itself, analyzer/run.py)."""
     if isinstance(scheduler, str):
         with connect(scheduler) as client:
             return per_rank_counted(trace, rank_pass, client, progress, cfg)

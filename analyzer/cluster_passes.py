@@ -84,7 +84,8 @@ def judge(client, specs: dict, lights: dict, results: list, cfg, tag: str):
     digests were made): each one's Light in ``lights`` given its verdict and peaks; returns the
     ranks' merged Counts (``cfg``: the AnalysisConfig). A rank whose verdict task fails (its
     worker died each time) keeps no verdict; its own findings stand. None where the tree failed
-    (a rank that could not be read again): the caller counts from the Lights."""
+    (a rank that could not be read again): the caller counts the ranks' ends read again
+    in its own process (analyzer/run.py)."""
     if len(specs) < 2:
         return None
     peak_steps = oom_steps(results)

@@ -10,7 +10,7 @@ from .config import AnalysisConfig
 from .code_places import with_code
 from .cross_rank import CROSS_DETECTORS, counters, straggler
 from .cross_rank.light import finding_steps, light, oom_steps
-from .cross_rank.digest import RankDigest, digest_of
+from .cross_rank.digest import RankDigest, digest_of, timing_of
 from .cross_rank.memory import others_memory
 from .cross_rank.merge import merge
 from .detectors import DETECTORS
@@ -67,29 +67,45 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
         from .cluster import per_rank_counted
 
         results, counts = per_rank_counted(trace, partial(rank_pass, cfg=cfg), scheduler, progress, cfg)
+    if counts is None:  # (the local path; a run of one rank, or a tree that failed, on Dask)
+        counts = _counted(trace, results, cfg)
     digests = lights(results, cfg)
-    trace.digests = digests
+    trace.digests, trace.counts = digests, (None if isinstance(counts, Exception) else counts)
     of_ranks = [f for found, _ in results.values() for f in found]
-    del results  # (the local path's full digests: what follows reads the Lights only)
+    del results  # (the local path's full digests: what follows reads the Lights and the counters only)
     merged = merge(of_ranks, trace.ranks, digests)
     findings.extend(others_memory(f, digests) for f in merged)
-    if counts is None:  # (the local path; a run of one rank, or a tree that failed, on Dask)
-        counts = _counted(digests, cfg)
     for det in CROSS_DETECTORS:
-        findings.extend(_guarded(det.KIND, "all ranks",
-                                 lambda: det.detect(digests, getattr(cfg, det.KIND), trace, counts=counts)))
+        findings.extend(_guarded(det.KIND, "all ranks", lambda: det.detect(
+            digests, getattr(cfg, det.KIND), trace, counts=None if det is straggler else _counts(counts))))
     return sort_findings(findings)
 
 
-def _counted(digests: dict, cfg: AnalysisConfig):
-    """The Lights' counters (cross_rank/counters.py) merged here as the Dask path's tree merges
-    them; None where that fails (each detector that reads them then fails alone, and says so)."""
+def _counted(trace: Trace, results: dict, cfg: AnalysisConfig):
+    """The ranks' counters (cross_rank/counters.py) made here as the Dask path's tree makes them:
+    from the full digests held here (the local path), or, for a rank whose Light came back
+    from a Dask tree that failed, from its file read again here (its ends alone, a group of
+    ranks at a time). The exception where that fails (each detector that reads them then
+    fails alone, and says so)."""
+    rs = sorted(r for r, (_, d) in results.items() if d is not None)
     try:
-        return counters.of(digests, cfg.hang)
+        leaves = []
+        for i in range(0, len(rs), counters.LEAF):
+            ds = [d if isinstance(d := results[r][1], RankDigest) else timing_of(trace.ranks[r], ends=True)
+                  for r in rs[i:i + counters.LEAF]]
+            leaves.append(counters.leaf(ds, cfg.hang))
+        return counters.tree(leaves)
     except TraceError:
         raise
-    except Exception:
-        return None
+    except Exception as e:
+        return e
+
+
+def _counts(counts):
+    """The counters, or what made them fail raised again (in the detector that needs them)."""
+    if isinstance(counts, Exception):
+        raise counts
+    return counts
 
 
 def lights(results: dict, cfg: AnalysisConfig) -> dict:

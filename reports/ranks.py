@@ -1,7 +1,8 @@
 """The report's section on the ranks of a many-rank run: ranks x steps pictures of own work,
 waiting, loss, gradient norm and memory, each rank against the median rank in buckets of steps,
 so that the odd rank stands out; and how each rank's trace ends (where the hung rank stopped).
-They read the ranks' Lights (analyzer/cross_rank/light.py): series bucketed where each rank was read."""
+They read the ranks' Lights (analyzer/cross_rank/light.py): series bucketed where each rank was read,
+and the ranks' merged counters (cross_rank/counters.py) for the replica picture."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import warnings
 
 import numpy as np
 
+from ..analyzer.cross_rank import counters
 from ..analyzer.cross_rank.buckets import side_by_side
 from ..analyzer.cross_rank.digest import digest_of
 from ..analyzer.cross_rank.hang import where_stopped
@@ -27,10 +29,22 @@ MAX_TABLE_ROWS = 40
 
 
 def digests(ctx: Context) -> dict[int, Light]:
-    """The ranks' Lights: those the analysis made, else made here (a report built alone)."""
+    """The ranks' Lights: those the analysis made, else made here (a report built alone), with
+    their counters (a group of ranks' full digests at a time, as the analysis makes them)."""
     if ctx.trace.digests is None:
-        ctx.trace.digests = {r: light(digest_of(rt)) for r, rt in ctx.trace.ranks.items()}
+        lights, leaves, rs = {}, [], sorted(ctx.trace.ranks)
+        for i in range(0, len(rs), counters.LEAF):
+            full = [digest_of(ctx.trace.ranks[r]) for r in rs[i:i + counters.LEAF]]
+            leaves.append(counters.leaf(full, ctx.cfg.hang))
+            lights.update({d.rank: light(d) for d in full})
+        ctx.trace.digests, ctx.trace.counts = lights, counters.tree(leaves)
     return ctx.trace.digests
+
+
+def counts(ctx: Context) -> counters.Counts | None:
+    """The ranks' merged counters (None: the analysis could not make them)."""
+    digests(ctx)
+    return ctx.trace.counts
 
 
 # (title, what it shows, the bucketed series of a digest, what a coloured row means)
@@ -106,23 +120,12 @@ def figures(ctx: Context) -> list[Figure]:
 
 def _replicas(ctx: Context, ds: dict[int, Light], ranks: list[int], points) -> Figure | None:
     """Each rank's parameters at each fingerprint step: the majority's (white) or not (red)."""
-    if not all(d.replicated and len(d.fp_steps) for d in ds.values()):
-        return None
-    steps = np.unique(np.concatenate([d.fp_steps for d in ds.values()]))
-    h = np.zeros((len(ranks), len(steps)), dtype=np.int64)
-    missing = np.ones(h.shape, dtype=bool)
-    for i, r in enumerate(ranks):
-        d = ds[r]
-        pos = np.searchsorted(steps, d.fp_steps)
-        h[i, pos], missing[i, pos] = d.fp_hash, False
-    differs = np.zeros(h.shape, dtype=bool)
-    for k in range(len(steps)):
-        present = h[~missing[:, k], k]
-        if len(present):
-            values, counts = np.unique(present, return_counts=True)
-            differs[:, k] = (h[:, k] != values[np.argmax(counts)]) & ~missing[:, k]
-    dev = np.where(differs, 4.0, 0.0)
-    dev, _, missing, labels, x_edges = _bucketed(dev, np.zeros(h.shape, dtype=bool), missing, ranks, steps)
+    c = counts(ctx)
+    fp = None if c is None else c.fingerprints
+    if fp is None or fp.steps is None or fp.members.tolist() != ranks:
+        return None  # (a rank that is no replica, or recorded no fingerprint: no picture)
+    dev, missing, labels, x_edges = replica_cells(fp)
+    steps = fp.steps
     title = "Ranks: replica fingerprints"
     caption = ("One row per rank: at each step with replica fingerprints (every "
                f"{int(np.median(np.diff(steps))) if len(steps) > 1 else 1:,} steps), whether the rank's parameters "
@@ -133,6 +136,31 @@ def _replicas(ctx: Context, ds: dict[int, Light], ranks: list[int], points) -> F
     return figure(title, caption, plot_rank_heatmap, dev, np.zeros(dev.shape, dtype=bool), missing, labels, x_edges,
                   points=_grouped_points(fp_points, len(ranks), len(labels)), binary="differs from the majority",
                   height_in=float(np.clip(1.2 + 0.09 * len(labels), 1.8, 6.5)))
+
+
+def replica_cells(fp: counters.Fingerprints):
+    """The replica picture's cells (dev: 4 where a rank of the row differs from the majority,
+    missing: no rank of the row recorded a fingerprint there; its row labels and step edges), at
+    most MAX_ROWS x MAX_COLS, from the counters: per step the majority and the ranks that left
+    it (the majority's hash: the most common one, ties to the smallest rank's), not every rank's row."""
+    ranks, steps = fp.members.tolist(), fp.steps
+    rows = plots.bucket_edges(len(ranks), MAX_ROWS)
+    row_of = lambda rs: np.searchsorted(rows, np.searchsorted(fp.members, rs), "right") - 1  # noqa: E731
+    size = np.diff(rows)
+    differs = np.zeros((len(size), len(steps)), dtype=bool)
+    absent = np.zeros(differs.shape, dtype=np.int64)  # (per row: how many of its ranks recorded no fingerprint)
+    for k, t in enumerate(fp.at):
+        held = [v for v in t.count if v != counters.ABSENT]
+        top = min(held, key=lambda v: (-t.count[v], t.first[v]), default=None)
+        for v in held:
+            if v != top:
+                differs[row_of(t.ranks_of(v)), k] = True
+        if counters.ABSENT in t.count:
+            absent[:, k] = np.bincount(row_of(t.ranks_of(counters.ABSENT)), minlength=len(size))
+    cols = plots.bucket_edges(len(steps), MAX_COLS)
+    dev, _, missing = _by_columns(np.where(differs, 4.0, 0.0), np.zeros(differs.shape, dtype=bool),
+                                  absent == size[:, None], cols)
+    return dev, missing, _row_labels(ranks, rows), np.append(steps[cols[:-1]], steps[-1] + 1).astype(float)
 
 
 def _cells(ds: dict[int, Light], series: str):
@@ -172,16 +200,12 @@ def _by_columns(dev, nonfinite, missing, cols):
 
 def _by_rows(dev, nonfinite, missing, ranks):
     rows = plots.bucket_edges(len(ranks), MAX_ROWS)
-    labels = [f"rank {ranks[a]}" if b - a == 1 else f"ranks {ranks[a]}-{ranks[b - 1]}" for a, b in zip(rows[:-1], rows[1:])]
     return (_most(dev, rows, 0), np.logical_or.reduceat(nonfinite, rows[:-1], axis=0),
-            np.logical_and.reduceat(missing, rows[:-1], axis=0), labels)
+            np.logical_and.reduceat(missing, rows[:-1], axis=0), _row_labels(ranks, rows))
 
 
-def _bucketed(dev, nonfinite, missing, ranks, steps):
-    """At most MAX_ROWS x MAX_COLS cells, each the most deviating value it covers (no spike lost)."""
-    cols = plots.bucket_edges(len(steps), MAX_COLS)
-    return (*_by_rows(*_by_columns(dev, nonfinite, missing, cols), ranks),
-            np.append(steps[cols[:-1]], steps[-1] + 1).astype(float))
+def _row_labels(ranks, rows) -> list[str]:
+    return [f"rank {ranks[a]}" if b - a == 1 else f"ranks {ranks[a]}-{ranks[b - 1]}" for a, b in zip(rows[:-1], rows[1:])]
 
 
 def _odd_in_groups(points, ranks: list[int], labels: list[str]) -> str:
@@ -240,10 +264,9 @@ def end_table(ctx: Context) -> Table | None:
 
 
 def _clock(d: Light) -> str:
-    t = d.time_unix[np.isfinite(d.time_unix)] if len(d.time_unix) else np.zeros(0)
-    if not len(t):
+    if not np.isfinite(d.last_time):
         return ""
     try:
-        return _dt.datetime.fromtimestamp(float(t[-1]), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        return _dt.datetime.fromtimestamp(d.last_time, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
     except (OverflowError, ValueError, OSError):  # (a time no clock shows: a damaged trace)
         return ""

@@ -3,8 +3,10 @@ ranks are read and merged as a tree (the same tree as the straggler's sketches o
 cluster, analyzer/cluster_passes.py; the same code in this process on the local path), so that
 the process that judges holds merged counts and the few odd ranks, not every rank's rows.
 
-- ``Fingerprints``: at each fingerprint step every counted rank recorded, how many ranks hold
-  each fingerprint hash (divergence.py: the majority, and who left it);
+- ``Fingerprints``: at each fingerprint step any counted rank recorded, how many ranks hold
+  each fingerprint hash, the ranks that did not record it counted as holding ABSENT
+  (divergence.py: the majority, and who left it, at the steps all recorded; the report's replica
+  picture: at every step);
 - ``Positions``: where each rank stood when the job stopped (hang.py: the step in progress and
   its phase, the line of its stack), how many ranks stood at each place, and the smallest rank's
   state at each place (the one a finding names).
@@ -25,6 +27,7 @@ import numpy as np
 
 LEAF, FAN = 32, 8  # ranks a leaf, partials a merge, in this process (as cluster_passes' on a Dask cluster)
 _NONE = np.zeros(0, dtype=np.int64)
+ABSENT = 1 << 64  # the "hash" of a rank without a fingerprint at a step (no int64 hash equals it)
 
 
 @dataclass
@@ -97,8 +100,12 @@ class Fingerprints:
     members: np.ndarray  # those ranks, sorted
     names: tuple | None  # their parameters' names (None: no such rank)
     mixed: bool  # their parameters' names differ: not replicas of one model
-    steps: np.ndarray | None  # the fingerprint steps all of them recorded (None: no such rank)
-    at: list  # a Tally of hashes per step of ``steps``
+    steps: np.ndarray | None  # the fingerprint steps any of them recorded (None: no such rank)
+    at: list  # a Tally of hashes (ABSENT: not recorded) per step of ``steps``
+
+    def full(self) -> list[int]:
+        """The indices of the steps every member recorded (the ones the detector compares)."""
+        return [k for k, t in enumerate(self.at) if ABSENT not in t.count]
 
 
 @dataclass
@@ -117,8 +124,8 @@ class Counts:
 
 
 def leaf(ds: list, hang_cfg) -> Counts:
-    """The counts of a group of ranks, from their digests (RankDigests, or Lights: the same
-    fields); without ``hang_cfg`` (a HangConfig) no position is counted."""
+    """The counts of a group of ranks, from their full digests (RankDigests: a Light keeps no
+    fingerprint or heartbeat); without ``hang_cfg`` (a HangConfig) no position is counted."""
     from .hang import place, where_stopped
 
     ds = sorted(ds, key=lambda d: d.rank)
@@ -127,12 +134,18 @@ def leaf(ds: list, hang_cfg) -> Counts:
     if reps:
         members = np.array([d.rank for d in reps], dtype=np.int64)
         names = tuple(reps[0].param_names)
-        steps = reps[0].fp_steps
-        for d in reps[1:]:
-            steps = np.intersect1d(steps, d.fp_steps, assume_unique=True)
-        h = np.stack([np.asarray(d.fp_hash, dtype=np.int64)[np.searchsorted(d.fp_steps, steps)] for d in reps])
-        fp = Fingerprints(members, names, any(tuple(d.param_names) != names for d in reps[1:]), np.asarray(steps),
-                          [tally(members, h[:, j]) for j in range(len(steps))])
+        own = [np.unique(d.fp_steps, return_index=True) for d in reps]  # (each step once: its first row)
+        steps = np.unique(np.concatenate([u for u, _ in own]))
+        if all(len(u) == len(steps) for u, _ in own):  # (the usual: every rank recorded every step)
+            h = np.stack([np.asarray(d.fp_hash, dtype=np.int64)[i] for d, (_, i) in zip(reps, own)])
+            tallies = [tally(members, h[:, j]) for j in range(len(steps))]
+        else:
+            at = [[] for _ in steps]  # (per step: (the rank's index in reps, its hash) of those that recorded it)
+            for i, (d, (u, first)) in enumerate(zip(reps, own)):
+                for k, h in zip(np.searchsorted(steps, u).tolist(), np.asarray(d.fp_hash, dtype=np.int64)[first].tolist()):
+                    at[k].append((i, h))
+            tallies = [_recorded(members, held) for held in at]
+        fp = Fingerprints(members, names, any(tuple(d.param_names) != names for d in reps[1:]), steps, tallies)
     held, rep, stalled = {}, {}, False
     for d in ds if hang_cfg is not None else ():
         state = where_stopped(d, hang_cfg)
@@ -143,6 +156,21 @@ def leaf(ds: list, hang_cfg) -> Counts:
                 rep[p] = {"state": state, "last_step": d.last_step, "end_reason": d.end_reason}
     nccl = next(((int(d.rank), dict(d.nccl_env)) for d in ds if d.nccl_env), None)
     return Counts(fp, Positions(tally_of(held), rep, stalled, nccl))
+
+
+def _recorded(members: np.ndarray, held: list) -> Tally:
+    """The tally of a step: the hashes of the ranks that recorded it (``held``: (index in members,
+    hash)), ABSENT for the others."""
+    if len(held) == len(members):
+        return tally(members, np.array([h for _, h in held], dtype=np.int64))
+    idx = np.array([i for i, _ in held], dtype=np.int64)
+    parts = [tally(members[idx], np.array([h for _, h in held], dtype=np.int64))] if len(held) else []
+    absent = np.setdiff1d(members, members[idx], assume_unique=True) if len(held) else members
+    return merged_tallies(parts + [_absent(absent)], members)
+
+
+def _absent(ranks: np.ndarray) -> Tally:
+    return Tally(ranks, {ABSENT: len(ranks)}, {ABSENT: int(ranks[0])}, {})
 
 
 def merged(parts: list[Counts]) -> Counts:
@@ -157,11 +185,12 @@ def _fingerprints(parts: list[Fingerprints]) -> Fingerprints:
     members = np.sort(np.concatenate([p.members for p in held]))
     names = held[0].names
     mixed = any(p.mixed or p.names != names for p in held)
-    steps = held[0].steps
-    for p in held[1:]:
-        steps = np.intersect1d(steps, p.steps, assume_unique=True)
+    steps = np.unique(np.concatenate([p.steps for p in held]))
     at = [np.searchsorted(p.steps, steps) for p in held]
-    tallies = [merged_tallies([p.at[i[j]] for p, i in zip(held, at)], members) for j in range(len(steps))]
+    tallies = []
+    for j in range(len(steps)):  # (a part that did not record the step: all its ranks ABSENT)
+        tallies.append(merged_tallies([p.at[i[j]] if i[j] < len(p.steps) and p.steps[i[j]] == steps[j]
+                                       else _absent(p.members) for p, i in zip(held, at)], members))
     return Fingerprints(members, names, mixed, steps, tallies)
 
 

@@ -1,8 +1,8 @@
 """What each rank contributes to the cross-rank analysis: a few per-step series and its end,
 computed where the rank is read (a worker process, analyzer/parallel.py, or a Dask task,
 analyzer/cluster.py): ~0.4 MB a rank at 10,000 steps. The parent keeps only its Light (light.py:
-the series in buckets and the exact values the detectors ask of it); the rank's own tables are
-never sent."""
+the series in buckets and the exact values the detectors ask of it) and the ranks' merged
+counters (counters.py); the rank's own tables are never sent."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .buckets import Buckets, width_for
 PHASE_COLUMNS = {"data": "data_wait_s", "between_steps": "between_steps_s", "forward": "forward_s",
                  "backward": "backward_s", "recorder": "recorder_s"}
 MAX_HEARTBEATS = 50  # the last rows of a rank's heartbeats kept
+TAIL = 1024  # the last step times of a rank the hang figure draws (its ticks)
 
 
 @dataclass
@@ -115,6 +116,13 @@ def _marks(rt: RankTrace) -> dict:
         bits = rt.fingerprint_rows()
         fp_hash = np.array([int.from_bytes(hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=8)
                                            .digest(), "little", signed=True) for row in bits], dtype=np.int64)
+    beats, stack, stack_step = _beats(rt)
+    return {"fp_steps": fp_steps, "fp_hash": fp_hash, "heartbeats": beats, "last_stack": stack,
+            "last_stack_step": stack_step}
+
+
+def _beats(rt: RankTrace) -> tuple[list[dict], list | None, int | None]:
+    """A rank's last MAX_HEARTBEATS heartbeats, its last stack and that stack's step."""
     hb = rt.heartbeats
     if len(hb):  # (a damaged or hostile row: a step or time that is no number is not a heartbeat)
         hb = hb[np.isfinite(hb["step"].astype(float)) & np.isfinite(hb["time_unix"].astype(float))
@@ -129,8 +137,15 @@ def _marks(rt: RankTrace) -> dict:
                   "typical_step_s": float(ty)}
                  for t, s, p, ps, ss, ty in zip(tail["time_unix"], tail["step"], tail["phase"], tail["phase_s"],
                                                 tail["step_s"], tail["typical_step_s"])]
-    return {"fp_steps": fp_steps, "fp_hash": fp_hash, "heartbeats": beats, "last_stack": stack,
-            "last_stack_step": stack_step}
+    return beats, stack, stack_step
+
+
+def ends_of(rt: RankTrace) -> dict:
+    """What the hang figure draws of a rank, read for the few ranks it draws (not kept for every
+    rank): the times of its last TAIL steps, its last heartbeats, its last step."""
+    steps = rt.step_index
+    return {"time_unix": _reader(rt)("time_s")[-TAIL:], "heartbeats": _beats(rt)[0],
+            "last_step": int(steps[-1]) if len(steps) else None}
 
 
 def _end(rt: RankTrace) -> dict:

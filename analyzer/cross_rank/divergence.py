@@ -46,17 +46,20 @@ def detect(digests, cfg: ReplicaDivergenceConfig, trace=None, counts=None) -> li
     if counts is None:
         counts = counters.of(digests, None) if digests else None
     fp = None if counts is None else counts.fingerprints
-    if fp is None or len(fp.members) < 2 or fp.mixed or not len(fp.steps):
+    if fp is None or len(fp.members) < 2 or fp.mixed:
+        return []
+    full = fp.full()  # (the steps every rank recorded: where they compare)
+    steps, at = fp.steps[full], [fp.at[k] for k in full]
+    if not len(steps):
         return []
     ranks = fp.members.tolist()
-    agreed = [len(t.count) == 1 for t in fp.at]
+    agreed = [len(t.count) == 1 for t in at]
     if not any(agreed):
         return []  # never the same parameters: not replicas
     first_agreed = agreed.index(True)
-    steps = fp.steps
     findings, reported = [], set()
     for k in range(first_agreed + 1, len(steps)):
-        t = fp.at[k]
+        t = at[k]
         value = t.most()
         n = t.count[value]
         if n * 2 <= len(ranks):  # no majority: they split apart

@@ -20,6 +20,7 @@ from ..findings import Evidence as FindingEvidence
 from ..findings import Finding
 from ..trace.phases import PHASES
 from . import counters
+from .light import Light
 from .merge import rank_set
 
 
@@ -121,13 +122,25 @@ def _tail(others: list[dict], ranks: list[int], behind: list[int]) -> str:
 
 
 def where_stopped(d, cfg: HangConfig) -> dict | None:
-    """Where a rank stood at its last heartbeat, or None if it wrote none after its last step."""
-    beats = [b for b in d.heartbeats if d.last_step is None or b["step"] > d.last_step]
-    if not beats or d.end_reason.startswith("recorder error"):
-        return None  # (a recorder that stopped on its own error: the training went on, unrecorded)
-    b = beats[-1]
+    """Where a rank stood at its last heartbeat, or None if it wrote none after its last step. ``d``:
+    a digest, or a Light (which keeps that heartbeat alone, without its stack)."""
+    b = d.beat if isinstance(d, Light) else last_beat(d)
+    if b is None:
+        return None
     typical = b["typical_step_s"] if b["typical_step_s"] == b["typical_step_s"] else 0.0
     stalled = b["step_s"] >= max(cfg.min_stall_s, cfg.min_stall_factor * typical)
+    return {"step": int(b["step"]), "phase": b["phase"], "stalled": stalled, "stalled_s": float(b["step_s"]),
+            "at": b["at"], "code": b["code"], "stack": b.get("stack", [])}
+
+
+def last_beat(d) -> dict | None:
+    """A digest's last heartbeat after its last step, with the line of the job's own code its
+    stack was in then ("at", "code") and the stack's innermost frames; None if it wrote none
+    after its last step, or if its recorder stopped on its own error (the training went on, unrecorded)."""
+    beats = [b for b in d.heartbeats if d.last_step is None or b["step"] > d.last_step]
+    if not beats or d.end_reason.startswith("recorder error"):
+        return None
+    b = beats[-1]
     frames = d.last_stack if d.last_stack_step == b["step"] else None
     at, code, stack = "", "", []
     if frames:
@@ -135,8 +148,7 @@ def where_stopped(d, cfg: HangConfig) -> dict | None:
         f = own[-1]
         at, code = f"{os.path.basename(f[0])}:{f[1]}", f[3].strip()
         stack = [f"{fr[0]}:{fr[1]} in {fr[2]}" for fr in frames[-12:]]
-    return {"step": int(b["step"]), "phase": b["phase"], "stalled": stalled, "stalled_s": float(b["step_s"]),
-            "at": at, "code": code, "stack": stack}
+    return {**b, "at": at, "code": code, "stack": stack}
 
 
 def _others(t, places) -> list[dict]:

@@ -3,8 +3,13 @@ series stay where the rank was read; what leaves it is bounded whatever the numb
 their buckets (buckets.py, for the pictures), the exact values the cross-rank stage asks of it
 (the straggler's verdict judged against the ranks' per-step references, its loss and own gradient
 norm around each step it has a finding at, its peak memory up to the steps other ranks ran out of
-memory at), the tail of its step times (the hang picture), its fingerprint hashes (one every 100
-steps), heartbeats and end.
+memory at), and its end as a few scalars (the time of its last step and of its last heartbeat,
+where that heartbeat found it).
+
+Not kept: its fingerprint hashes and heartbeats. The replica and hang detectors, and the report's
+replica picture and ends table, read the ranks' merged counters (counters.py: counts and the odd
+ranks, made where the ranks are read); the hang figure reads the few ranks it draws from their
+files. So the parent's memory a rank is flat in steps and in fingerprints.
 
 Exact: every finding (the detectors read only exact values). Bucketed: the report's rank x step
 pictures and its many-rank loss, memory and straggler lines."""
@@ -18,7 +23,6 @@ import numpy as np
 from .buckets import Buckets
 
 BEFORE = 20  # the steps before a finding whose values leave with it (local.py's usual value)
-TAIL = 1024  # the last step times kept (the hang picture's ticks)
 
 
 @dataclass
@@ -27,20 +31,12 @@ class Light:
     file: str
     n_steps: int
     last_step: int | None
-    tail_steps: np.ndarray  # the last TAIL steps
-    time_unix: np.ndarray  # their rec.step() times
+    last_time: float  # its last step's rec.step() time (the last finite one; NaN: none)
+    end_time: float  # its last heartbeat's time, else its last step's (NaN: neither)
     memory_kind: str
-    replicated: bool
-    param_names: list
-    fp_steps: np.ndarray
-    fp_hash: np.ndarray
     closed_cleanly: bool
     end_reason: str
-    heartbeats: list
-    last_stack: list | None
-    last_stack_step: int | None
-    nccl_env: dict
-    heartbeat_s: float
+    beat: dict | None  # hang.last_beat() without the stack: where its last heartbeat after its last step found it
     blackbox_fired: bool
     local_measured: bool  # its own (pre-all-reduce) gradient norm was recorded
     buckets: Buckets | None
@@ -79,13 +75,18 @@ def peak_by(d, step: int) -> float | None:
 def light(d, finding_steps=(), peak_steps=(), straggle: dict | None = None) -> Light:
     """The Light of a full RankDigest: ``finding_steps`` the steps of its own findings (near),
     ``peak_steps`` those at which another rank ran out of memory (peaks)."""
+    from .hang import last_beat  # (hang reads Lights: imported here, not at the top)
+
     near = {int(s): w for s in sorted(set(finding_steps)) if (w := near_at(d, int(s))) is not None}
+    t = d.time_unix[np.isfinite(d.time_unix)]
+    last = float(d.time_unix[-1]) if len(d.time_unix) else np.nan
+    beat = last_beat(d)
     return Light(
         rank=d.rank, file=d.file, n_steps=len(d.steps), last_step=d.last_step,
-        tail_steps=np.array(d.steps[-TAIL:]), time_unix=np.array(d.time_unix[-TAIL:]), memory_kind=d.memory_kind,
-        replicated=d.replicated, param_names=d.param_names, fp_steps=d.fp_steps, fp_hash=d.fp_hash,
-        closed_cleanly=d.closed_cleanly, end_reason=d.end_reason, heartbeats=d.heartbeats, last_stack=d.last_stack,
-        last_stack_step=d.last_stack_step, nccl_env=d.nccl_env, heartbeat_s=d.heartbeat_s,
+        last_time=float(t[-1]) if len(t) else np.nan,
+        end_time=float(d.heartbeats[-1]["time_unix"]) if d.heartbeats else last, memory_kind=d.memory_kind,
+        closed_cleanly=d.closed_cleanly, end_reason=d.end_reason,
+        beat=None if beat is None else {k: v for k, v in beat.items() if k != "stack"},
         blackbox_fired=d.blackbox_fired,
         local_measured=bool(np.isfinite(d.local_grad).any()) if len(d.local_grad) else False,
         buckets=d.buckets, near=near, peaks={int(s): peak_by(d, int(s)) for s in set(peak_steps)}, straggle=straggle)

@@ -30,8 +30,10 @@ class Trace:
         self.attempts = attempts if attempts is not None else {r: [Attempt(1, rt, rt.n_steps)]
                                                                for r, rt in self.ranks.items()}
         self.notes = list(notes or [])
-        # rank -> its cross-rank digest (analyzer/cross_rank/digest.py), set by the analysis
+        # rank -> its Light (analyzer/cross_rank/light.py), and the ranks' merged counters
+        # (cross_rank/counters.py), set by the analysis
         self.digests: dict | None = None
+        self.counts = None
 
     @property
     def size_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """The cross-rank counters (analyzer/cross_rank/counters.py): merged in any tree shape and any
 order of the ranks they equal the ranks merged one by one, hold exactly which rank holds which
-fingerprint and stood where (against a plain count of the rows), and give the replica and hang
+fingerprint (or none, at a step it did not record) and stood where (against a plain count of the rows), and give the replica and hang
 detectors the same findings whatever the tree. Random ranks: some not replicas, some missing
 fingerprint steps, values that split with and without a majority, positions of every kind."""
 
@@ -68,17 +68,16 @@ def _random_tree(parts: list, rng: random.Random):
 
 
 def _rows(ranks: dict) -> dict:
-    """The plain count: at each fingerprint step all replicas recorded, the ranks of each hash;
-    each position's ranks."""
+    """The plain count: at each fingerprint step any replica recorded, the ranks of each hash
+    (ABSENT: the replicas that did not record it); each position's ranks."""
     reps = {r: d for r, d in ranks.items() if d.replicated and len(d.fp_steps)}
-    steps = None
-    for d in reps.values():
-        steps = d.fp_steps if steps is None else np.intersect1d(steps, d.fp_steps)
+    steps = np.unique(np.concatenate([d.fp_steps for d in reps.values()])) if reps else []
     at = []
-    for s in ([] if steps is None else steps):
+    for s in steps:
         held = defaultdict(list)
         for r, d in sorted(reps.items()):
-            held[int(d.fp_hash[np.searchsorted(d.fp_steps, s)])].append(r)
+            i = np.searchsorted(d.fp_steps, s)
+            held[int(d.fp_hash[i]) if i < len(d.fp_steps) and d.fp_steps[i] == s else counters.ABSENT].append(r)
         at.append({v: (len(rs), rs[0], rs) for v, rs in held.items()})
     where = defaultdict(list)
     for r, d in sorted(ranks.items()):
@@ -125,3 +124,37 @@ def test_a_tally_lists_the_odd_ranks_only():
     assert c.fingerprints.at[0].listed == {} and len(last.ranks_of(5)) == 4094
     found = divergence.detect({}, divergence.ReplicaDivergenceConfig(), counts=c)
     assert [(f.rank, f.step, f.evidence["majority_ranks"]) for f in found] == [(17, 100, 4094), (3000, 100, 4094)]
+
+
+def test_the_counters_made_in_this_process_from_lights_read_the_files_again(tmp_path):
+    """A Light keeps no fingerprint or heartbeat: where the Dask tree failed, analyze counts the
+    ranks whose Lights came back from their files read again here; the counts equal those of the
+    full digests (the local path). Real rank files: a replica that left, a rank that stopped
+    early (fewer fingerprints), a hang."""
+    from tests.analyzer.detectors.test_cross_rank import _stall, rank
+    from torchautopsy.analyzer.config import AnalysisConfig
+    from torchautopsy.analyzer.cross_rank.digest import digest_of
+    from torchautopsy.analyzer.cross_rank.light import light
+    from torchautopsy.analyzer.run import _counted
+    from torchautopsy.analyzer.trace import load
+
+    bs = [rank(r, steps=150) for r in range(5)]
+    bs[4] = rank(4, steps=120).attrs(closed=True, end_reason="exception: RuntimeError: CUDA error")
+    for row in bs[2].rows["fingerprints"][7:]:
+        row["bits"] = row["bits"].copy()
+        row["bits"][1] += 1
+    for r in range(4):
+        _stall(bs[r], 150, "data" if r == 1 else "backward", 61, "x = f()")
+    for r, b in enumerate(bs):
+        b.write(tmp_path, rank=r)
+    trace = load(str(tmp_path))
+    full = {r: ([], digest_of(rt)) for r, rt in trace.ranks.items()}
+    want = _view(counters.of({r: d for r, (_, d) in full.items()}, HANG))
+    assert _view(_counted(trace, full, AnalysisConfig())) == want
+    lights = {r: ([], light(d)) for r, (_, d) in full.items()}
+    assert not hasattr(lights[0][1], "fp_hash") and not hasattr(lights[0][1], "heartbeats")
+    assert _view(_counted(trace, lights, AnalysisConfig())) == want
+    fp = counters.of({r: d for r, (_, d) in full.items()}, HANG).fingerprints
+    assert fp.steps[-1] == 140 and fp.at[-1].ranks_of(counters.ABSENT).tolist() == [4] and fp.steps[fp.full()][-1] == 110
+    (f,) = divergence.detect({}, divergence.ReplicaDivergenceConfig(), counts=_counted(trace, lights, AnalysisConfig()))
+    assert (f.rank, f.step, f.evidence["last_agreed_step"], f.evidence["majority_ranks"]) == (2, 70, 60, 4)

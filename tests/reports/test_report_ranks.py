@@ -4,13 +4,19 @@ in the HTML and in the PDF; none for one rank; rows grouped past 96 ranks."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
+import pytest
 from reports_testlib import pdf_pages_text, squeeze
 
 from tests.analyzer.detectors.test_cross_rank import RANKS, _stall, rank
+from tests.analyzer.test_counters import _rank
+from torchautopsy.analyzer.cross_rank import counters
 from torchautopsy.analyzer.run import analyze
 from torchautopsy.analyzer.trace import load
 from torchautopsy.reports import build_report, render_html, render_pdf
+from torchautopsy.reports import plots
 from torchautopsy.reports import ranks as rank_section
 from torchautopsy.reports.context import Context
 from torchautopsy.analyzer.config import AnalysisConfig
@@ -104,3 +110,67 @@ def test_the_first_screen_says_each_way_the_ranks_ended_once_and_a_whole_fix():
     assert [line.split("Ended: ")[1].split(":")[0] for line in ended] == ["ranks 0-1", "rank 2", "rank 3"]
     assert "gloo" not in header and "unbound_buffer.cc" not in header
     assert report.run_line.endswith("lr 0.001")  # (the endings are those lines, not repeated in it)
+
+
+@pytest.mark.parametrize("n, skew", [(7, 0.7), (300, 0.97), (300, 0.4)])
+def test_the_replica_picture_from_the_counters_is_the_picture_of_every_ranks_rows(n, skew):
+    """The replica picture is drawn from the merged counters (per step the majority and the
+    ranks that left it), not from every rank's fingerprint row: its cells equal those of the
+    ranks x steps matrix of every rank's hashes, grouped as before, past 96 ranks too; ranks
+    whose fingerprints stop early are grey there, as before."""
+    rng = random.Random(n)
+    ranks = {r: _rank(r, rng, skew) for r in range(n)}
+    for d in ranks.values():
+        d.replicated = True
+    for r in range(4):  # (the first row's ranks stop early: grey there)
+        ranks[r].fp_steps, ranks[r].fp_hash = ranks[r].fp_steps[:10], ranks[r].fp_hash[:10]
+    fp = counters.of(ranks, None).fingerprints
+    dev, missing, labels, x_edges = rank_section.replica_cells(fp)
+
+    steps = np.unique(np.concatenate([d.fp_steps for d in ranks.values()]))
+    h = np.zeros((n, len(steps)), dtype=np.int64)
+    absent = np.ones(h.shape, dtype=bool)
+    for r, d in ranks.items():
+        pos = np.searchsorted(steps, d.fp_steps)
+        h[r, pos], absent[r, pos] = d.fp_hash, False
+    differs = np.zeros(h.shape, dtype=bool)
+    for k in range(len(steps)):
+        values = [int(v) for v in h[~absent[:, k], k]]
+        if values:  # (the majority: the most common hash, ties to the one whose first rank is smaller)
+            top = min(set(values), key=lambda v: (-values.count(v), values.index(v)))
+            differs[:, k] = (h[:, k] != top) & ~absent[:, k]
+    cols = plots.bucket_edges(len(steps), rank_section.MAX_COLS)
+    want = rank_section._by_rows(*rank_section._by_columns(np.where(differs, 4.0, 0.0), np.zeros(h.shape, dtype=bool),
+                                                           absent, cols), list(ranks))
+    np.testing.assert_array_equal(dev, want[0])
+    np.testing.assert_array_equal(missing, want[2])
+    assert labels == want[3] and list(x_edges[:-1]) == steps.tolist()
+    assert dev.any() and missing.any() and (len(labels) < n) == (n > rank_section.MAX_ROWS)
+
+
+def test_past_40_ranks_the_hang_figure_draws_the_ranks_that_stopped_elsewhere_first(tmp_path):
+    """45 ranks: rank 41 stops in its data loading, ranks 42 and 43 in their forward, the others
+    wait in backward. The hang figure draws 40 rows: the named rank, those that stopped elsewhere
+    than most ranks (from the counters: the Lights keep no heartbeats), then the others; the ends
+    table groups every rank by its Light's last heartbeat."""
+    from torchautopsy.reports.sections import hang as hang_section
+
+    n = 45
+    for r in range(n):
+        b = rank(r, steps=30).attrs(world_size=n)
+        phase = "data" if r == 41 else "forward" if r in (42, 43) else "backward"
+        _stall(b, 30, phase, {"data": 61, "forward": 62, "backward": 64}[phase], "x = f()", seconds=30)
+        b.write(tmp_path, rank=r)
+    trace = load(str(tmp_path))
+    findings = analyze(trace, workers=2)
+    (f,) = [f for f in findings if f.kind == "hang"]
+    assert (f.rank, f.step) == (41, 30)
+    ctx = Context(trace, findings, AnalysisConfig())
+    drawn = hang_section._drawn(ctx, f, rank_section.digests(ctx))
+    assert drawn == [41, 42, 43] + list(range(37))
+    fig = hang_section.figure_for(ctx, f)
+    assert fig.png and "40 of them: the odd ones first" in fig.caption
+    rows = rank_section.end_table(ctx).rows
+    assert [r[:4] for r in rows] == [("41", "29", "killed (not closed)", "step 30, data"),
+                                     ("42-43", "29", "killed (not closed)", "step 30, forward"),
+                                     ("0-44 except 41-43", "29", "killed (not closed)", "step 30, backward")]
