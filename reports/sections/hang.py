@@ -81,14 +81,20 @@ def _plot(ds: dict, end: float, ax) -> None:
         last = float(times[-1] - end) if len(times) else -window
         beats = [b for b in d["heartbeats"] if d["last_step"] is None or b["step"] > d["last_step"]]
         prev = max(last, -window)
+        bars = []  # [left, right, phase]: a phase's heartbeats in a row one bar (matplotlib's time is per bar)
         for b in beats:
             x = b["time_unix"] - end
             if x <= prev:
                 continue
-            label = b["phase"] if b["phase"] not in seen else None
-            seen.add(b["phase"])
-            ax.barh(row, x - prev, left=prev, height=0.6, color=PHASE_COLORS.get(b["phase"], "#9e9e9e"), label=label)
+            if bars and bars[-1][2] == b["phase"] and bars[-1][1] == prev:
+                bars[-1][1] = x
+            else:
+                bars.append([prev, x, b["phase"]])
             prev = x
+        for left, right, phase in bars:
+            label = phase if phase not in seen else None
+            seen.add(phase)
+            ax.barh(row, right - left, left=left, height=0.6, color=PHASE_COLORS.get(phase, "#9e9e9e"), label=label)
     ax.set_yticks(range(len(ds)))
     ax.set_yticklabels([f"rank {r}" for r in ds], fontsize=7)
     ax.invert_yaxis()
