@@ -162,7 +162,7 @@ def test_past_40_ranks_the_hang_figure_draws_the_ranks_that_stopped_elsewhere_fi
         _stall(b, 30, phase, {"data": 61, "forward": 62, "backward": 64}[phase], "x = f()", seconds=30)
         b.write(tmp_path, rank=r)
     trace = load(str(tmp_path))
-    findings = analyze(trace, workers=2)
+    findings = analyze(trace, workers=1)
     (f,) = [f for f in findings if f.kind == "hang"]
     assert (f.rank, f.step) == (41, 30)
     ctx = Context(trace, findings, AnalysisConfig())
