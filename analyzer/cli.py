@@ -251,7 +251,8 @@ def analyze(run_dir, json_path, html_path, pdf_path, md_path, fail_on, config_pa
         trace, progress = _load(run_dir, len(traces), client)
         try:
             progress(0, 1, "running the detectors")
-            findings = run_detectors(trace, cfg, workers=workers_for(len(trace.attempts), files_bytes(trace)), scheduler=client,
+            workers = workers_for(len(trace.attempts), files_bytes(trace))
+            findings = run_detectors(trace, cfg, workers=workers, scheduler=client,
                                      progress=lambda done, total: progress(done, total,
                                                                            f"ranks analyzed: {done:,} of {total:,}"))
         finally:

@@ -39,10 +39,10 @@ def analyze(trace: Trace, cfg: AnalysisConfig | None = None, workers: int = 1,
     """All findings of all detectors on all ranks, one per event, most severe and earliest first.
 
     Each rank is read alone, in ``workers`` worker processes (parallel.py; the CLI uses one per
-    CPU where the rank files are big enough to repay starting them; from a script of your own, under ``if __name__ == "__main__":``, as multiprocessing
-    needs): its detectors' findings and its digest come back. The ranks' findings are merged, one per
-    event with its ranks listed (cross_rank/merge.py); then the cross-rank detectors judge the
-    digests together (cross_rank/). ``trace.digests`` keeps the digests for the report. With
+    CPU where the rank files are big enough to repay starting them; from a script of your own,
+    under ``if __name__ == "__main__":``, as multiprocessing needs): its detectors' findings and
+    its digest come back. The ranks' findings are merged, one per event with its ranks listed
+    (cross_rank/merge.py); then the cross-rank detectors judge the digests together (cross_rank/). ``trace.digests`` keeps the digests for the report. With
     ``scheduler`` (a dask.distributed Client, a scheduler's address or ``local:N``) each rank is
     a task on that Dask cluster instead (cluster.py): the same findings.
 
