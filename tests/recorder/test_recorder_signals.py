@@ -211,16 +211,26 @@ def test_uncaught_exception_fires_the_black_box(tmp_path):
         assert roles.count("param") == 4 and "input" in roles and "rng" in roles
 
 
+# One interpreter imports torch and the recorder once, then forks a job for each run directory it
+# is sent: each job is a process of its own, killed by SIGKILL while it starts the Recorder (the
+# imports are done by then in a real job too), without paying ~4 CPU-s of imports a kill.
 STARTING_CHILD = textwrap.dedent("""
-    import sys
+    import os, sys, time
     import torch
     from torchautopsy import Recorder
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     print("ready", flush=True)
-    Recorder(model, sys.argv[1])
-    print("recording", flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:  # the job
+            print(f"started {os.getpid()}", flush=True)
+            Recorder(model, line.strip())
+            print("recording", flush=True)
+            time.sleep(600)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("ended", flush=True)
 """)
 
 
@@ -230,17 +240,21 @@ def test_a_job_killed_while_the_recorder_starts_leaves_a_trace_or_says_so(tmp_pa
     script = tmp_path / "job.py"
     script.write_text(STARTING_CHILD)
     said = set()
+    jobs = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert jobs.stdout.readline().strip() == "ready"
     for i, delay in enumerate([*np.linspace(0.0, 0.06, 7), None]):
         run_dir = tmp_path / f"run{i}"
-        proc = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+        jobs.stdin.write(f"{run_dir}\n")
+        jobs.stdin.flush()
+        started = jobs.stdout.readline().split()
+        assert started[0] == "started", started
         if delay is None:  # last: after Recorder() returned
-            assert proc.stdout.readline().strip() == "recording"
+            assert jobs.stdout.readline().strip() == "recording"
         else:
             time.sleep(delay)
-        proc.kill()
-        proc.wait()
+        os.kill(int(started[1]), signal.SIGKILL)
+        while (line := jobs.stdout.readline()).strip() != "ended":  # (its "recording", if it got there)
+            assert line, "the process forking the jobs died"
         r = invoke_cli("info", run_dir)  # (in this process: the job's process is the point here)
         if not run_dir.exists() or not os.listdir(run_dir):
             continue  # killed before the recorder made its directory
@@ -251,4 +265,6 @@ def test_a_job_killed_while_the_recorder_starts_leaves_a_trace_or_says_so(tmp_pa
             assert r.returncode == 2 and "the job ended before its first data was flushed" in r.stderr, r.stderr
             assert "corrupt" not in r.stderr
             said.add("ended early")
+    jobs.stdin.close()
+    assert jobs.wait(timeout=60) == 0
     assert "trace" in said
