@@ -91,8 +91,8 @@ DDP_TRAIN = textwrap.dedent("""
                 rec.step(loss=loss)
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        torch.multiprocessing.spawn(main, args=(2, sys.argv[1]), nprocs=2)
+    if __name__ == "__main__":  # (forked: the ranks do not import torch again, ~3 CPU-s each)
+        torch.multiprocessing.start_processes(main, args=(2, sys.argv[1]), nprocs=2, start_method="fork")
 """)
 
 
