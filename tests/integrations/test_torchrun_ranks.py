@@ -1,7 +1,8 @@
 """Failures only a job of several ranks has, planted on one rank of a DDP job that torchrun
 launches (gloo on the CPU, a real DataLoader): a straggler (a slow loader on rank 2), a silent
 replica divergence (a weight nudged on rank 1), a hang (rank 1 stops before a collective, the job
-is ended by gloo's timeout) and a NaN in one rank's batch.
+is ended by gloo's timeout) and a NaN in one rank's batch. The scenarios that end normally share
+one job (each from scratch, its own trace: torchrun_ranks.py), the hang has one of its own.
 
 Each test checks what the recorder wrote (read with h5py: the step-time split, the replica
 fingerprints, the heartbeat rows and their stacks), then what the real CLI finds in it."""
@@ -21,7 +22,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
 SCRIPT = Path(__file__).with_name("torchrun_ranks.py")
@@ -43,7 +44,7 @@ def _line(marker: str) -> int:
 
 class Job:
     def __init__(self, root: Path, returncode: int, stdout: str, stderr: str, seconds: float):
-        self.root, self.run = root, root / "run"
+        self.root = root
         self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
 
     def errors(self) -> str:
@@ -51,19 +52,23 @@ class Job:
         ranks = [line for line in self.stderr.splitlines() if line.startswith("[rank") or "terminate" in line]
         return "\n".join(ranks[:40]) + "\n...\n" + self.stderr[-1500:]
 
+    def run(self, scenario: str) -> Path:
+        return self.root / scenario / "run"
+
     def ours(self) -> list[str]:
         """The job's output lines that the recorder printed: there must be none."""
         return [line for line in (self.stdout + self.stderr).splitlines() if "torchautopsy" in line]
 
 
-def torchrun(scenario: str, nproc: int, limit_s: float = 120) -> Job:
-    """Run one job; past limit_s, kill the whole process group (torchrun and every rank): nothing
-    here can leave processes behind or hang the suite."""
-    root = Path(tempfile.mkdtemp(prefix=f"torchrun_{scenario}_"))
+def torchrun(scenarios: str, nproc: int, limit_s: float = 120) -> Job:
+    """Run one job (scenarios: comma-separated, run one after the other); past limit_s, kill the
+    whole process group (torchrun and every rank): nothing here can leave processes behind or hang
+    the suite."""
+    root = Path(tempfile.mkdtemp(prefix="torchrun_ranks_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     # --standalone: the rendezvous binds a port of its own choosing (no race for a port picked here)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(SCRIPT), scenario, str(root / "run"), str(root / "out")]
+           str(SCRIPT), str(root), scenarios]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
@@ -72,7 +77,7 @@ def torchrun(scenario: str, nproc: int, limit_s: float = 120) -> Job:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
-        pytest.fail(f"{scenario}: the job ran past {limit_s} s and was killed\n{stderr[-3000:]}")
+        pytest.fail(f"{scenarios}: the job ran past {limit_s} s and was killed\n{stderr[-3000:]}")
     finally:
         try:  # (a rank that outlived torchrun)
             os.killpg(p.pid, signal.SIGKILL)
@@ -111,20 +116,25 @@ def read_rank(run: Path, rank: int) -> dict:
         }
 
 
-def read_run(job: Job, nproc: int) -> list[dict]:
-    assert sorted(os.listdir(job.run)) == [f"rank{k}.h5" for k in range(nproc)]
-    ranks = [read_rank(job.run, k) for k in range(nproc)]
+def read_run(run: Path, nproc: int) -> list[dict]:
+    assert sorted(os.listdir(run)) == [f"rank{k}.h5" for k in range(nproc)]
+    ranks = [read_rank(run, k) for k in range(nproc)]
     for k, r in enumerate(ranks):
         assert r["attrs"]["rank"] == k and r["attrs"]["world_size"] == nproc
     return ranks
 
 
+@pytest.fixture(scope="module")
+def job() -> Job:
+    """One job of 3 ranks for every scenario that ends normally (~25 CPU-s; ~15 more a job each)."""
+    return torchrun("straggler,divergence,nan,backward_nan,backward_nan_fsdp", 3, limit_s=300)
+
+
 @pytest.mark.parametrize("scenario", ["backward_nan", "backward_nan_fsdp"])
-def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_collective(scenario):
+def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_collective(job, scenario):
     """DDP: the bucket norms of a communication hook; FSDP2: the input of each parameter group's
     reduce-scatter. Either way rank 2's own gradients are NaN, the others' finite."""
-    job = torchrun(scenario, 3)
-    ranks = _finished(job, 3, STEPS[scenario])
+    ranks = _finished(job, scenario, 3)
     for r in ranks:
         assert np.isfinite(r["steps"]["loss"][:BAD + 1]).all(), r["steps"]["loss"]  # the forward never saw it
         assert r["attrs"]["local_grad_norms"] == "recorded"
@@ -136,7 +146,7 @@ def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_co
     assert not np.allclose(local[0][1:BAD], local[1][1:BAD])  # (each rank's own batch: not the average)
     assert np.isnan(local[2][BAD]) and np.isfinite(local[0][BAD]) and np.isfinite(local[1][BAD])
 
-    found, stdout = findings(job)
+    found, stdout = findings(job.run(scenario))
     bad = [f for f in found if f["kind"] == "nonfinite"]
     assert (bad[0]["rank"], bad[0]["step"]) == (2, BAD), bad
     assert bad[0]["evidence"]["ranks"] == [0, 1, 2], bad[0]
@@ -144,28 +154,28 @@ def test_nan_born_in_rank_2s_own_backward_is_told_by_its_gradients_before_the_co
     assert "rank 2 went wrong first" in stdout, stdout
 
 
-def findings(job: Job) -> tuple[list[dict], str]:
-    """(findings, stdout) of `torchautopsy analyze RUN --json F`, in an interpreter without torch."""
-    out = job.root / "findings.json"
-    r = run_cli("analyze", job.run, "--json", out, block_torch=True)
+def findings(run: Path) -> tuple[list[dict], str]:
+    """(findings, stdout) of `torchautopsy analyze RUN --json F`, torch hidden from it (in this
+    process: the CLI's own interpreter without torch is tested in tests/reports/test_report_cli.py)."""
+    out = run.parent / "findings.json"
+    r = invoke_cli("analyze", run, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["findings"], r.stdout
 
 
-def _finished(job: Job, nproc: int, steps: int) -> list[dict]:
-    """A job that ran to its end: every rank's trace closed, with every step."""
+def _finished(job: Job, scenario: str, nproc: int) -> list[dict]:
+    """A job that ran to its end: every rank's trace of the scenario closed, with every step."""
     assert job.returncode == 0, job.errors()
     assert job.ours() == []
-    ranks = read_run(job, nproc)
+    ranks = read_run(job.run(scenario), nproc)
     for r in ranks:
         assert r["attrs"]["closed"] and r["attrs"]["end_reason"] == "closed", r["attrs"].get("end_reason")
-        assert r["steps"]["step"].tolist() == list(range(steps))
+        assert r["steps"]["step"].tolist() == list(range(STEPS[scenario]))
     return ranks
 
 
-def test_straggler_rank_2_waits_for_its_data_and_the_others_wait_for_it():
-    job = torchrun("straggler", 3)
-    ranks = _finished(job, 3, STEPS["straggler"])
+def test_straggler_rank_2_waits_for_its_data_and_the_others_wait_for_it(job):
+    ranks = _finished(job, "straggler", 3)
     wait = [r["steps"]["data_wait_s"] for r in ranks]
     backward = [r["steps"]["backward_s"] for r in ranks]
     # Rank 2: its loader sleeps SLOW_S in every batch from step SLOW on, and only then.
@@ -178,15 +188,14 @@ def test_straggler_rank_2_waits_for_its_data_and_the_others_wait_for_it():
         assert np.median(backward[k][:SLOW]) < SLOW_S / 3, (k, backward[k])
     assert np.median(backward[2][SLOW:]) < SLOW_S / 3, backward[2]
 
-    found, _ = findings(job)
+    found, _ = findings(job.run("straggler"))
     slow = [f for f in found if f["kind"] == "straggler"]
     assert [(f["rank"], f["step"]) for f in slow] == [(2, SLOW)], found
     assert slow[0]["evidence"]["phase"] == "data", slow[0]
 
 
-def test_divergence_rank_1_leaves_the_replicas_at_its_step_in_the_perturbed_parameter():
-    job = torchrun("divergence", 3)
-    ranks = _finished(job, 3, STEPS["divergence"])
+def test_divergence_rank_1_leaves_the_replicas_at_its_step_in_the_perturbed_parameter(job):
+    ranks = _finished(job, "divergence", 3)
     names = ranks[0]["names"]
     assert all(r["names"] == names for r in ranks) and PERTURBED in names, names
     col = names.index(PERTURBED)
@@ -202,7 +211,7 @@ def test_divergence_rank_1_leaves_the_replicas_at_its_step_in_the_perturbed_para
     assert differs[DIVERGE:, col].all(), differs
     assert not np.delete(differs, col, axis=1).any(), differs
 
-    found, _ = findings(job)
+    found, _ = findings(job.run("divergence"))
     div = [f for f in found if f["kind"] == "replica_divergence"]
     assert [(f["rank"], f["step"]) for f in div] == [(1, DIVERGE)], found
     assert PERTURBED in div[0]["where"], div[0]
@@ -215,7 +224,7 @@ def test_hang_rank_1_stops_before_its_forward_the_others_wait_in_backward_until_
     job = torchrun("hang", 3, limit_s=90)
     assert job.returncode != 0 and "Timed out" in job.stderr, job.errors()
     assert job.ours() == []
-    ranks = read_run(job, 3)
+    ranks = read_run(job.run("hang"), 3)
     hang_line, backward_line = _line("HANG"), _line("BACKWARD")
     for k, r in enumerate(ranks):
         assert r["steps"]["step"].tolist() == list(range(HANG)), k  # steps before HANG, all flushed
@@ -244,7 +253,7 @@ def test_hang_rank_1_stops_before_its_forward_the_others_wait_in_backward_until_
         assert ranks[k]["attrs"]["end_reason"].startswith("exception: RuntimeError"), ranks[k]["attrs"]
     assert ranks[1]["attrs"]["end_reason"] == "sigterm", ranks[1]["attrs"]
 
-    found, _ = findings(job)
+    found, _ = findings(job.run("hang"))
     hangs = [f for f in found if f["kind"] == "hang"]
     assert [(f["rank"], f["step"]) for f in hangs] == [(1, HANG)], found
     evidence = json.dumps(hangs[0]["evidence"])
@@ -252,17 +261,18 @@ def test_hang_rank_1_stops_before_its_forward_the_others_wait_in_backward_until_
     assert "backward" in evidence, hangs[0]
 
 
-def test_nan_in_rank_1s_batch_is_reported_on_rank_1_first():
-    job = torchrun("nan", 2)
-    ranks = _finished(job, 2, STEPS["nan"])
+def test_nan_in_rank_1s_batch_is_reported_on_rank_1_first(job):
+    ranks = _finished(job, "nan", 3)
     assert ranks[1]["steps"]["batch_nonfinite"].tolist() == [int(s == BAD) for s in range(STEPS["nan"])]
-    assert not ranks[0]["steps"]["batch_nonfinite"].any()
+    for k in (0, 2):
+        assert not ranks[k]["steps"]["batch_nonfinite"].any()
+        assert np.isfinite(ranks[k]["steps"]["loss"][BAD])
     for r in ranks:
         loss = r["steps"]["loss"]
         assert np.isfinite(loss[:BAD]).all() and np.isnan(loss[BAD + 1:]).all()
-    assert np.isnan(ranks[1]["steps"]["loss"][BAD]) and np.isfinite(ranks[0]["steps"]["loss"][BAD])
+    assert np.isnan(ranks[1]["steps"]["loss"][BAD])
 
-    found, stdout = findings(job)
+    found, stdout = findings(job.run("nan"))
     bad = [f for f in found if f["kind"] == "nonfinite"]
     assert (bad[0]["rank"], bad[0]["step"]) == (1, BAD), bad
     assert bad[0]["evidence"]["stage"] == "batch", bad[0]
