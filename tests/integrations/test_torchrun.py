@@ -4,7 +4,10 @@ One trace per rank; the recorder adds no collective (a job in which one rank rec
 other does not still runs, with the same losses: a collective of the recorder's would hang it);
 FSDP2's sharded parameters are measured by each rank's shard, marked so, and the analyzer's
 whole-parameter figures equal the norms of the full parameters; a NaN planted in rank 1's batch
-is reported on rank 1 first."""
+is reported on rank 1 first.
+
+The four jobs compared (DDP and FSDP2, recorded by both ranks, by one, by none) are trained one
+after the other in one torchrun job (torchrun_train.py), the unrecorded ones first."""
 
 from __future__ import annotations
 
@@ -19,24 +22,33 @@ import numpy as np
 import pytest
 
 from torchautopsy import load
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
 SCRIPT = Path(__file__).with_name("torchrun_train.py")
 BAD = 6  # torchrun_train.BAD
 
 
-def torchrun(mode: str, recording: str) -> tuple[Path, list[dict], str]:
-    """(run directory, each rank's out.json, stderr) of one 2-process job."""
-    root = Path(tempfile.mkdtemp(prefix=f"torchrun_{mode}_"))
+# Unrecorded first: nothing of a recorder's (closed) can be left in the process when they train.
+JOBS = ["ddp:none", "fsdp:1", "ddp:0,1", "fsdp:0,1"]
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, tuple[Path, list[dict], str]]:
+    """MODE_RECORDING (ddp_01, ddp_none, fsdp_01, fsdp_1): (run directory, each rank's out.json,
+    the torchrun job's stderr), of one 2-process torchrun job that trains them all."""
+    root = Path(tempfile.mkdtemp(prefix="torchrun_train_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     # --standalone: the rendezvous binds a port of its own choosing (no race for a port picked here)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), mode, str(root / "run"), recording, str(root / "out.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+           str(SCRIPT), str(root), *JOBS]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, _first_errors(r.stderr)
-    outs = [json.loads((root / f"out.json.rank{k}").read_text()) for k in (0, 1)]
-    return root / "run", outs, r.stderr
+    found = {}
+    for job in JOBS:
+        d = root / job.replace(":", "_").replace(",", "")
+        found[d.name] = d / "run", [json.loads((d / f"out.json.rank{k}").read_text()) for k in (0, 1)], r.stderr
+    return found
 
 
 def _first_errors(stderr: str) -> str:
@@ -50,7 +62,8 @@ def _ours(stderr: str) -> list[str]:
 
 
 def _nan_reported_on_rank_1_first(run: Path) -> None:
-    r = run_cli("analyze", run, "--json", run.parent / "f.json", block_torch=True)
+    # In this process, torch hidden (the CLI's own interpreter without torch: tests/reports/test_report_cli.py)
+    r = invoke_cli("analyze", run, "--json", run.parent / "f.json", block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "rank 1 went wrong first: nonfinite at step 6 (batch)" in r.stdout, r.stdout
     bad = [f for f in json.loads((run.parent / "f.json").read_text())["findings"] if f["kind"] == "nonfinite"]
@@ -59,13 +72,8 @@ def _nan_reported_on_rank_1_first(run: Path) -> None:
     assert first["evidence"]["stage"] == "batch"
 
 
-@pytest.fixture(scope="module")
-def ddp():
-    return torchrun("ddp", "0,1")
-
-
-def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first(ddp):
-    run, outs, stderr = ddp
+def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first(jobs):
+    run, outs, stderr = jobs["ddp_01"]
     assert sorted(os.listdir(run)) == ["rank0.h5", "rank1.h5"] and _ours(stderr) == []
     trace = load(run)
     for k in (0, 1):
@@ -77,25 +85,20 @@ def test_ddp_one_trace_per_rank_and_the_nan_on_its_rank_first(ddp):
     _nan_reported_on_rank_1_first(run)
 
 
-def test_ddp_recorded_trains_bitwise_as_unrecorded_though_its_gradients_go_through_our_hook(ddp):
+def test_ddp_recorded_trains_bitwise_as_unrecorded_though_its_gradients_go_through_our_hook(jobs):
     """The recorder takes each rank's own gradient norm in a DDP communication hook that then runs
     DDP's default all-reduce (recorder/distributed/local_grads.py): the losses are the same to the bit with both
     ranks recording and with none."""
-    run, outs, _ = ddp
+    run, outs, _ = jobs["ddp_01"]
     assert load(run).ranks[0].meta["local_grad_norms"] == "recorded"
-    _, bare, stderr = torchrun("ddp", "")
-    assert _ours(stderr) == []
+    bare_run, bare, stderr = jobs["ddp_none"]
+    assert not bare_run.exists() and _ours(stderr) == []
     for k in (0, 1):
         assert bare[k]["losses"][:BAD] == outs[k]["losses"][:BAD], k
 
 
-@pytest.fixture(scope="module")
-def fsdp():
-    return torchrun("fsdp", "0,1")
-
-
-def test_fsdp2_shards_are_marked_and_combined_into_whole_parameters(fsdp):
-    run, outs, stderr = fsdp
+def test_fsdp2_shards_are_marked_and_combined_into_whole_parameters(jobs):
+    run, outs, stderr = jobs["fsdp_01"]
     assert _ours(stderr) == []
     trace = load(run)
     names = outs[0]["names"]
@@ -117,10 +120,10 @@ def test_fsdp2_shards_are_marked_and_combined_into_whole_parameters(fsdp):
     _nan_reported_on_rank_1_first(run)
 
 
-def test_fsdp2_one_rank_recording_alone_neither_blocks_nor_changes_the_job(fsdp):
+def test_fsdp2_one_rank_recording_alone_neither_blocks_nor_changes_the_job(jobs):
     """Only rank 1 records: any collective of the recorder's would wait forever for rank 0."""
-    _, outs, _ = fsdp
-    run, alone, stderr = torchrun("fsdp", "1")
+    _, outs, _ = jobs["fsdp_01"]
+    run, alone, stderr = jobs["fsdp_1"]
     assert os.listdir(run) == ["rank1.h5"] and _ours(stderr) == []
     for k in (0, 1):
         assert alone[k]["losses"][:BAD] == outs[k]["losses"][:BAD]
