@@ -83,3 +83,18 @@ def assert_plain_loop_blackbox(run: Path, kept: dict, inputs: list[str], prefix:
     assert not torch.isfinite(tensors[f"grad.{fc1}"]).all()
     assert torch.equal(tensors[f"optimizer.{fc1}.exp_avg"], kept["exp_avg"])
     assert "rng.torch" in tensors
+
+
+# For the tests whose claim is which rank's NaN came first: a job of a few dozen ms steps on two
+# cores that the suite keeps busy can have a real straggler (one rank starved by the OS for 5 steps
+# in a row, 12 ms over a 35 ms step, seen under load), and the first line then rightly names it.
+# Those tests read the run with the straggler detector needing more slow steps than the job has
+# (a user's --config); the straggler itself is held by test_torchrun_ranks's straggler case.
+NO_STRAGGLERS = "[straggler]\nmin_slow_steps = 1000\n"
+
+
+def no_stragglers_config(folder: Path) -> Path:
+    path = folder / "no_stragglers.toml"
+    path.write_text(NO_STRAGGLERS)
+    return path
+

@@ -23,6 +23,7 @@ import pytest
 
 from torchautopsy import load
 from tests.helpers import invoke_cli
+from tests.integrations.common import no_stragglers_config
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo on Linux/macOS")
 SCRIPT = Path(__file__).with_name("torchrun_train.py")
@@ -63,7 +64,8 @@ def _ours(stderr: str) -> list[str]:
 
 def _nan_reported_on_rank_1_first(run: Path) -> None:
     # In this process, torch hidden (the CLI's own interpreter without torch: tests/reports/test_report_cli.py)
-    r = invoke_cli("analyze", run, "--json", run.parent / "f.json", block_torch=True)
+    r = invoke_cli("analyze", run, "--json", run.parent / "f.json", "--config", no_stragglers_config(run.parent),
+                   block_torch=True)
     assert r.returncode == 0, r.stderr
     assert "rank 1 went wrong first: nonfinite at step 6 (batch)" in r.stdout, r.stdout
     bad = [f for f in json.loads((run.parent / "f.json").read_text())["findings"] if f["kind"] == "nonfinite"]
