@@ -4,8 +4,9 @@ where/step accuracy per finding kind, on the tuning half, the held-out half, or 
     python benchmarks/score_corpus.py [--out DIR] [--jobs N] [--split tune|holdout|fresh|all]
                                       [--rerun] [--config FILE.toml] [--list] [NAME ...]
 
-Each scenario trains in a process of its own and writes DIR/<name>/run (the trace) and
-DIR/<name>/oracle.json (what its own measurements proved). Traces are kept: scoring again (after
+Each scenario trains in a process of its own (forked from this one) and writes DIR/<name>/run
+(the trace), DIR/<name>/oracle.json (what its own measurements proved) and DIR/<name>/log.txt
+(its output). Traces are kept: scoring again (after
 a detector changed) re-analyzes them without training again, unless --rerun. Scoring runs the
 analyzer in this process, with the detectors' defaults or --config's thresholds.
 
@@ -23,12 +24,13 @@ import argparse
 import importlib
 import json
 import os
+import multiprocessing
+import multiprocessing.connection
 import pkgutil
-import subprocess
+import shutil
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,29 +64,63 @@ def run_one(name: str, out: str) -> None:
         json.dump(doc, f, indent=1, default=float)
 
 
+def _child(name: str, out: str, log: str) -> None:
+    """(The forked child.) Its output to the scenario's log; an exception exits 1 with its line last."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    discover()  # (already imported where forked; a spawned child imports them here)
+    run_one(name, out)
+
+
 def train(names: list[str], out: str, jobs: int, rerun: bool) -> dict[str, str]:
-    """Run the scenarios not run yet; {name: error line} of those that failed."""
+    """Run the scenarios not run yet; {name: error line} of those that failed.
+
+    Each scenario runs in a process of its own, forked from this one, which has imported torch
+    and the corpus already (a fresh interpreter per scenario paid ~3 CPU-s of imports, as much as
+    many scenarios' training); spawned where fork is not available. Nothing has computed with torch
+    in this process yet (its thread pools are not started), and no thread runs here: forking is safe."""
     todo = [n for n in names if rerun or not os.path.exists(os.path.join(out, n, "oracle.json"))]
     errors: dict[str, str] = {}
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    running: dict = {}  # sentinel -> (name, process, start, log)
 
-    def one(name):
-        if rerun:
-            subprocess.run(["rm", "-rf", os.path.join(out, name)], check=False)
-        t0 = time.perf_counter()
-        try:
-            r = subprocess.run([sys.executable, __file__, "--_run", name, "--out", out], capture_output=True,
-                               text=True, timeout=TIMEOUT_S)
-            ok = r.returncode == 0
-            why = (r.stderr.strip().splitlines() or ["?"])[-1] if not ok else ""
-        except subprocess.TimeoutExpired:
-            ok, why = False, f"timed out after {TIMEOUT_S} s"
+    def finish(sentinel, timed_out: bool):
+        name, proc, t0, log = running.pop(sentinel)
+        if timed_out:
+            proc.kill()
+        proc.join()
+        ok = proc.exitcode == 0 and not timed_out
+        why = ""
+        if timed_out:
+            why = f"timed out after {TIMEOUT_S} s"
+        elif not ok:
+            with open(log, errors="replace") as f:
+                why = (f.read().strip().splitlines() or [f"exit status {proc.exitcode}"])[-1]
         print(f"  {'ran' if ok else 'FAILED'} {name} ({time.perf_counter() - t0:.0f} s){': ' + why if why else ''}",
               flush=True)
         if not ok:
             errors[name] = why
 
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        list(pool.map(one, todo))
+    queue = list(todo)
+    while queue or running:
+        while queue and len(running) < max(1, jobs):
+            name = queue.pop(0)
+            if rerun:
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+            os.makedirs(os.path.join(out, name), exist_ok=True)
+            log = os.path.join(out, name, "log.txt")
+            proc = ctx.Process(target=_child, args=(name, out, log), name=name)
+            proc.start()
+            running[proc.sentinel] = (name, proc, time.perf_counter(), log)
+        now = time.perf_counter()
+        deadline = min(t0 + TIMEOUT_S for _, _, t0, _ in running.values())
+        ready = multiprocessing.connection.wait(list(running), timeout=max(0.0, deadline - now))
+        for sentinel in ready:
+            finish(sentinel, timed_out=False)
+        for sentinel, (_, _, t0, _) in list(running.items()):
+            if time.perf_counter() - t0 > TIMEOUT_S:
+                finish(sentinel, timed_out=True)
     return errors
 
 
