@@ -1,11 +1,22 @@
 """The sample cases, recorded again by this recorder, are all still found as their ground truth
 says: a change to what or how often the recorder samples must not cost a detection.
 
-sample_traces/ ships traces recorded by an earlier recorder; this test makes every case afresh
-(sample_traces/make_samples.py, seeded, ~40 s on two cores) and scores the analyzer on them
-(sample_traces/score_analyzer.py), both as a user runs them. Not the two DDP jobs (4 ranks under
-torchrun, one ended by gloo's timeout: 30 s of the suite's 10 minutes): the same failures are
-recorded under torchrun and found by tests/integrations/test_torchrun_ranks.py."""
+sample_traces/ ships traces recorded by an earlier recorder; this test makes the cases afresh
+(sample_traces/make_samples.py, seeded) and scores the analyzer on them
+(sample_traces/score_analyzer.py), both as a user runs them: every finding kind, and most cases
+of each. Not the two DDP jobs (4 ranks under torchrun, one ended by gloo's timeout: 30 s of the
+suite's 10 minutes): the same failures are recorded under torchrun and found by
+tests/integrations/test_torchrun_ranks.py. Not the four slowest single-process cases either
+(together half of the ~150 CPU-s the 19 cost, measured 2026-11-29), each the second case of its
+kind here and its mechanism recorded with the default sampling and found by a test of its own:
+  leak_hook_gru (a forward hook keeping outputs): test_pathology_definitions.py
+      ::test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them;
+  attention_entropy_lr (entropy collapse inside nn.TransformerEncoderLayer, dated):
+      test_activity_attention_memory.py::test_attention_entropy_collapse_is_found_in_the_layer_that_collapsed;
+  dead_relu_cnn_init (F.relu in forward, dead from initialisation):
+      test_activity_attention_memory.py::test_dead_from_the_start_with_functional_relu;
+  healthy_gru (a quiet recurrent net): rnn_healthy_lstm_clip_adam in test_corpus_subset.py.
+`python sample_traces/make_samples.py` still makes all of them."""
 
 from __future__ import annotations
 
@@ -23,7 +34,8 @@ from make_samples import CASES  # noqa: E402
 # (apt, glibc's triggers), its chaotic trajectory recovers instead of overflowing (100x at step
 # 41, the loss spikes to 312 and comes back; the same with the recorder of the day before), so
 # make_samples.py refuses it; the shipped trace still holds the overflow (see the issue note).
-SINGLE_PROCESS = [c for c in CASES if not c.startswith("ddp_") and c != "exploding_cnn"]
+COVERED_ELSEWHERE = ("leak_hook_gru", "attention_entropy_lr", "dead_relu_cnn_init", "healthy_gru")
+SINGLE_PROCESS = [c for c in CASES if not c.startswith("ddp_") and c not in ("exploding_cnn", *COVERED_ELSEWHERE)]
 
 
 def test_every_sample_case_recorded_now_is_found(tmp_path):
@@ -38,6 +50,6 @@ def test_every_sample_case_recorded_now_is_found(tmp_path):
                             timeout=600)
     assert scored.returncode == 0, scored.stderr[-3000:]
     rows = json.loads(scores.read_text())
-    assert len(rows) == len(SINGLE_PROCESS) == 19, [r["case"] for r in rows]
+    assert len(rows) == len(SINGLE_PROCESS) == 15, [r["case"] for r in rows]
     missed = [(r["case"], r["verdict"]) for r in rows if r["verdict"] not in FOUND]
     assert not missed, scored.stdout
