@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from torchautopsy import Recorder, load
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.models.nanogpt import GPT, GPTConfig
 
 STEPS = 24
@@ -78,9 +78,23 @@ def train(order: str, record: bool = True, targets_inside: bool = True, bad: boo
     return torch.stack(losses), counters["stats"]["unique_graphs"], run, ours
 
 
+_bare: dict = {}
+
+
+def bare(targets_inside: bool = True, bad: bool = False):
+    """The run without the recorder, made once for both orders: without a Recorder they are the
+    same run (torch.compile of the same fresh model, nothing else created)."""
+    key = (targets_inside, bad)
+    if key not in _bare:
+        _bare[key] = train(ORDERS[0], record=False, targets_inside=targets_inside, bad=bad)
+    return _bare[key]
+
+
 def findings(run: Path) -> list[dict]:
+    """The CLI's findings, in this process (the CLI as a process is tested elsewhere: here a
+    fresh interpreter cost more than the analysis)."""
     out = run.parent / "f.json"
-    r = run_cli("analyze", run, "--json", out, block_torch=True)
+    r = invoke_cli("analyze", run, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["findings"]
 
@@ -88,7 +102,7 @@ def findings(run: Path) -> list[dict]:
 @pytest.mark.parametrize("targets_inside", [False, True], ids=["logits_none", "logits_loss"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_a_healthy_compiled_nanogpt_is_recorded_whole_clean_and_compiled_once(order, targets_inside):
-    base, base_graphs, _, _ = train(order, record=False, targets_inside=targets_inside)
+    base, base_graphs, _, _ = bare(targets_inside=targets_inside)
     losses, graphs, run, ours = train(order, targets_inside=targets_inside)
     assert ours == []
     assert torch.equal(losses, base)  # trains as without the recorder
@@ -105,7 +119,7 @@ def test_a_healthy_compiled_nanogpt_is_recorded_whole_clean_and_compiled_once(or
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_a_nan_from_the_batch_is_named_in_both_orders(order):
-    base, base_graphs, _, _ = train(order, record=False, bad=True)
+    base, base_graphs, _, _ = bare(bad=True)
     losses, graphs, run, _ = train(order, bad=True)
     assert torch.allclose(losses, base, rtol=0, atol=0, equal_nan=True)  # bit for bit, the NaN too
     assert not torch.isfinite(losses[BAD]) and graphs == base_graphs
