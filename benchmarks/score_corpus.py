@@ -202,12 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="detector thresholds (TOML), as analyze --config")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--json", help="write every scenario's verdict here")
-    p.add_argument("--_run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     discover()
-    if args._run:
-        run_one(args._run, args.out)
-        return 0
     names = args.names or [n for n in SCENARIOS if args.split == "all" or split(n) == args.split]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
