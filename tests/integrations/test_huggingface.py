@@ -17,7 +17,9 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 transformers = pytest.importorskip("transformers")
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+# Trainer and TrainingArguments as transformers.X where used: importing them costs ~4.5 CPU-s,
+# which every xdist worker paid at collection, not only the one that runs these tests.
+from transformers import TrainerCallback  # noqa: E402
 
 from torchautopsy import load  # noqa: E402
 from torchautopsy.huggingface import TorchAutopsyCallback  # noqa: E402
@@ -68,18 +70,18 @@ def _tiny_gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def _train(model, dataset, callbacks, out, max_steps: int, **args) -> Trainer:
+def _train(model, dataset, callbacks, out, max_steps: int, **args) -> "transformers.Trainer":
     resume = args.pop("resume_from_checkpoint", None)
-    targs = TrainingArguments(**{**dict(
+    targs = transformers.TrainingArguments(**{**dict(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=16, learning_rate=1e-2,
         lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0), **args})
-    trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
-def _logged_losses(trainer: Trainer) -> np.ndarray:
+def _logged_losses(trainer: "transformers.Trainer") -> np.ndarray:
     return np.array([h["loss"] for h in trainer.state.log_history if "loss" in h])
 
 

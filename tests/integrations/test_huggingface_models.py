@@ -15,7 +15,9 @@ import torch
 from torch.utils.data import IterableDataset
 
 transformers = pytest.importorskip("transformers")
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+# Trainer and TrainingArguments as transformers.X where used: importing them costs ~4.5 CPU-s,
+# which every xdist worker paid at collection, not only the one that runs these tests.
+from transformers import TrainerCallback  # noqa: E402
 
 from torchautopsy import load  # noqa: E402
 from torchautopsy.huggingface import TorchAutopsyCallback  # noqa: E402
@@ -67,11 +69,11 @@ def _train(kind: str, steps: int, poison: bool = False):
         callbacks.append(Step())
         target = model.transformer.h[1].mlp if kind == "gpt2" else model.bert.encoder.layer[1].intermediate
         target.register_forward_hook(lambda m, a, out: out * float("nan") if at["step"] == BAD else None)
-    args = TrainingArguments(
+    args = transformers.TrainingArguments(
         output_dir=str(run.parent), max_steps=steps, per_device_train_batch_size=16, learning_rate=1e-3,
         optim="adamw_torch", max_grad_norm=1.0, logging_steps=10, report_to="none", save_strategy="no",
         use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
-    Trainer(model=model, args=args, train_dataset=Sequences(kind), callbacks=callbacks).train()
+    transformers.Trainer(model=model, args=args, train_dataset=Sequences(kind), callbacks=callbacks).train()
     return run
 
 
