@@ -9,13 +9,13 @@ interpreter's shutdown), the trace must be closed with the path's end reason, an
 recorder may still be alive when the job's last exit handler runs (the job registers one before
 the Recorder, so it runs after the recorder's).
 
-Each rank is a process of its own, forked by one interpreter that imported torch once (SERVER):
-a fresh one paid ~4.5 CPU-s before its first step (torch's import, DDP's of torch._dynamo), 16 of
-them 70 of the test's 84 CPU-s. The rank then runs JOB as `python -c JOB` would, at the module's
-level, and ends as it would: JOB's uncaught error or signal, or its end, then its exit handlers,
-the interpreter's finalization (threads, modules) and exit()'s C++ destructors, all in the rank.
-The server had one thread when it forked (torch's import starts none; the ranks start gloo's and
-the recorder's) and never imports torchautopsy.
+Each rank is a process of its own, forked by one interpreter that imported torch once
+(tests/forked_jobs.py, with DDP's torch._dynamo): a fresh one paid ~4.5 CPU-s before its first
+step, 16 of them 70 of the test's 84 CPU-s. The rank then runs JOB as `python -c JOB` would, at
+the module's level, and ends as it would: JOB's uncaught error or signal, or its end, then its
+exit handlers, the interpreter's finalization (threads, modules) and exit()'s C++ destructors, all
+in the rank. The server had one thread when it forked (torch's import starts none; the ranks start
+gloo's and the recorder's) and never imports torchautopsy.
 
 Not reproduced here: on the main before this test (2 cores, heavily loaded by other jobs) the
 healthy recorded job aborted in 0 of 70 runs (torchrun: 30 of a 4-step job, 20 of
@@ -27,19 +27,18 @@ in the direct-launch jobs it watched (fresh interpreters then). This test keeps 
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import h5py
 import pytest
 
+from tests.forked_jobs import JobServer, kill_group
 from tests.helpers import REPEAT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks, signals")
@@ -94,47 +93,11 @@ END_REASON = {"closed": "closed", "never_closed": "exit", "exception": "exceptio
 STATUS = {"closed": 0, "never_closed": 0, "exception": 1, "sigterm": -15}
 
 
-# Forks each job's ranks (a line of JSON on stdin: [{"out", "env", "argv"}, ...] for ranks 0 and 1),
-# waits for them and answers their exit statuses (negative: the signal, as Popen's returncode).
-SERVER = textwrap.dedent("""
-    import json, os, sys
-    import torch, torch.distributed, torch.nn.functional, torch.nn.parallel, torch._dynamo.utils
-
-    def serve():
-        while line := sys.stdin.readline():
-            pids = []
-            for rank in json.loads(line):
-                pid = os.fork()
-                if pid == 0:
-                    return rank
-                pids.append(pid)
-            print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]), flush=True)
-        sys.exit(0)
-
-    rank = serve()
-    # The rank: its stdin /dev/null, stdout and stderr its own file, its environment and argv
-    fd, null = os.open(rank["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0), os.dup2(fd, 1), os.dup2(fd, 2), os.close(fd), os.close(null)
-    os.environ.update(rank["env"])
-    sys.argv = ["-c", *rank["argv"]]
-    exec(compile(JOB, "<string>", "exec"))
-""")
-
-
 @pytest.fixture(scope="module")
 def server():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    p = subprocess.Popen([sys.executable, "-c", f"JOB = {JOB!r}\n" + SERVER], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    yield p
-    p.stdin.close()
-    try:
-        p.wait(timeout=30)
-    finally:
-        try:  # (the server and any rank left behind)
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    s = JobServer(preload=("torch.distributed", "torch.nn.functional", "torch.nn.parallel", "torch._dynamo.utils"))
+    yield s
+    s.close()
 
 
 def _free_port() -> int:
@@ -143,23 +106,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(server: subprocess.Popen, path: str, mode: str) -> tuple[tuple[int, int], list[str], str]:
+def _job(server: JobServer, path: str, mode: str) -> tuple[tuple[int, int], list[str], str]:
     """(exit statuses of ranks 0 and 1, their outputs, run directory) of one 2-rank job."""
     for attempt in range(3):  # (a port taken between _free_port() and rank 0's bind: run it again)
         root = tempfile.mkdtemp(prefix=f"ddp_exit_{path}_")
         port = _free_port()
-        ranks = [{"out": f"{root}/out{rank}", "argv": [root + "/run", mode, path],
-                  "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                          "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}} for rank in (0, 1)]
-        server.stdin.write(json.dumps(ranks) + "\n")
-        server.stdin.flush()
-        if not select.select([server.stdout], [], [], 120)[0]:
-            os.killpg(server.pid, signal.SIGKILL)
+        ranks = []
+        for rank in (0, 1):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+            with open(f"{root}/out{rank}", "w") as out:
+                ranks.append(server.popen([sys.executable, "-c", JOB, root + "/run", mode, path],
+                                          stdout=out, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + 120
+        try:
+            statuses = tuple(r.wait(timeout=max(0.0, deadline - time.monotonic())) for r in ranks)
+        except subprocess.TimeoutExpired:
+            for r in ranks:
+                kill_group(r.pid)
             pytest.fail(f"{path}, {mode}: the job ran past 120 s")
-        line = server.stdout.readline()
-        assert line, "the process forking the ranks died"
-        statuses = tuple(json.loads(line))
-        outs = [open(r["out"]).read() for r in ranks]
+        outs = [open(f"{root}/out{rank}").read() for rank in (0, 1)]
         if not any("EADDRINUSE" in o or "address already in use" in o.lower() for o in outs):
             break
     return statuses, outs, root + "/run"

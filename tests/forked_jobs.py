@@ -1,0 +1,431 @@
+"""Recorded training jobs in processes forked from one interpreter that imported torch once.
+
+A fresh `python` pays ~2.5-3 CPU-s for torch's import before a job's first step; most tests that
+run a job in a process of its own test what the job does and how it ends (its exit status, a
+signal, its exit handlers, its output), not the interpreter's start. ``job_server`` (one a pytest
+process: each xdist worker its own) is an interpreter that imported torch, and never torchautopsy
+nor any test module, whose only work is to fork; ``jobs.popen([sys.executable, SCRIPT, *args])``
+or ``jobs.popen([sys.executable, "-c", CODE, *args])`` (and ``jobs.run``) start a job as
+subprocess.Popen (subprocess.run) would, in a process forked from it:
+
+- the job's code runs at its module's level, as ``__main__`` (a module of its own, with
+  ``__file__`` for a script), with sys.argv, sys.path[0] (the script's folder, '' for -c), the
+  working directory and the environment (os.environ and the C library's) a fresh interpreter
+  started that way would have; stdin, stdout and stderr are the file descriptors given (PIPE,
+  DEVNULL, STDOUT, a file or a descriptor; stdin /dev/null when not given: never the test
+  process's, which is xdist's channel);
+- it ends as that interpreter would: its uncaught error (traceback on stderr, sys.last_value set,
+  status 1), SystemExit, a signal, or the end of its code, then its exit handlers (atexit) and the
+  interpreter's finalization, all in the job's own process. ``Job.wait()`` returns its status as
+  Popen's returncode (negative: the signal that ended it);
+- it is a process group of its own: the test's ``jobs`` fixture SIGKILLs each job's group at the
+  test's end (a job left running by a failed test, or processes a killed job left behind), the
+  server's close every job's.
+
+What is not a fresh interpreter's, and so stays with subprocess: torch's import itself and
+anything done at interpreter start (`python -m`, import-time checks, sys.flags, an interpreter
+where torch cannot be imported), and environment variables read when the interpreter starts or
+torch is imported (the server's environment is the test process's: popen() refuses a job whose
+environment differs from it in such a variable, STARTUP_ENV). One traceback line more than a
+fresh interpreter prints: the server's own line that runs the job's code.
+
+The server has one thread when it forks (torch's import starts none with OMP_NUM_THREADS=1, which
+the suite sets; it runs no torch op): it checks, and refuses to fork otherwise. Its objects are
+frozen out of the collector (gc.freeze()): a job's exit (finalization, which frees them all)
+writes to fewer of the pages it shares with the server, each write a page copied.
+
+A job costs ~0.3 CPU-s more than its own work (the fork, the pages it copies, its exit); a fresh
+interpreter ~4 CPU-s (torch's import and finalization). The server costs one torch import a
+pytest process, started when a test first asks for it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Environment variables that the interpreter, the C library, OpenMP or MKL read when the process
+# starts or torch is imported: a job whose environment differs from the server's in one needs a
+# fresh interpreter. torch's own (TORCH*, PYTORCH*) too where the test sets them for the job;
+# torch sets some in the test process as it runs (TORCHINDUCTOR_CACHE_DIR), which a job inherits
+# as a fresh one would, and reads them when used, not imported. (TORCHAUTOPSY_*: the recorder's,
+# imported in the job.)
+STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "GOMP", "KMP_", "MKL", "OPENBLAS", "CUDA", "MALLOC", "GLIBC")
+TORCH_ENV = ("TORCH", "PYTORCH")
+
+# The server: imports torch (and the modules it is given), then forks a job for each request it
+# gets on its socket (SOCK_SEQPACKET: a message of JSON, the job's stdin, stdout and stderr as
+# file descriptors with it), answers its pid, and tells when each job ends and how. A subreaper:
+# processes a job leaves behind are its children, and reaped.
+SERVER = textwrap.dedent("""
+    import ctypes, gc, importlib, importlib.machinery, json, os, select, signal, socket, sys, types
+    import torch
+
+    def serve():
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(wake_w)
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        jobs = set()
+
+        def send(msg):
+            sock.send(json.dumps(msg).encode())
+
+        for name in sys.argv[2:]:
+            importlib.import_module(name)
+        ours = [m for m in sys.modules if m.split(".")[0] in ("torchautopsy", "tests")]
+        assert not ours, f"the server imported {ours[:3]}: jobs must import them fresh"
+        # Its objects out of the collector's reach: a job's collections and its exit (which frees
+        # them all) then write to fewer of the pages it shares with the server (each write a copy
+        # of the page): a job's exit measured 1.1 -> 0.3 CPU-s.
+        gc.freeze()
+        send({"ready": os.getpid()})
+        while True:
+            ready = select.select([sock, wake_r], [], [])[0]
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid in jobs:
+                    jobs.discard(pid)
+                    send({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+            if sock not in ready:
+                continue
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+            if not data:  # the test process closed its end
+                for pid in jobs:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                sys.exit(0)
+            request, pid = json.loads(data), None
+            try:
+                threads = len(os.listdir("/proc/self/task"))
+                if threads != 1:
+                    raise RuntimeError(f"{threads} threads in the server: a fork copies their locks, held or not")
+                pid = os.fork()
+                if pid == 0:
+                    break
+                try:
+                    os.setpgid(pid, pid)  # (the job does it too: whichever runs first)
+                except OSError:
+                    pass
+                jobs.add(pid)
+                send({"started": pid})
+            except Exception as e:
+                send({"error": f"{type(e).__name__}: {e}"})
+            finally:
+                if pid != 0:
+                    for fd in fds:
+                        os.close(fd)
+        # The job (the forked process)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(wake_r), os.close(wake_w), sock.close()
+        return request, fds
+
+    def job(request, fds):
+        \"\"\"This process as the fresh interpreter `python ARGV` would be; returns the job's code.\"\"\"
+        os.setpgid(0, 0)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = request["argv"]
+        main = types.ModuleType("__main__")
+        main.__annotations__ = {}
+        if request["path"] is None:  # python -c
+            main.__loader__ = importlib.machinery.BuiltinImporter
+            filename, source = "<string>", request["code"]
+        else:
+            filename = os.path.abspath(request["path"])
+            sys.path[0] = os.path.dirname(os.path.realpath(filename))
+            main.__file__, main.__cached__ = filename, None
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)
+            with open(filename, "rb") as f:
+                source = f.read()
+        sys.modules["__main__"] = main
+        return compile(source, filename, "exec", dont_inherit=True), main.__dict__
+
+    code, namespace = job(*serve())
+    del serve, job
+    exec(code, namespace)
+""")
+
+
+class Job:
+    """A job forked by the server: Popen's pid, args, stdin, stdout, stderr, returncode, poll(),
+    wait(timeout), communicate(input, timeout), send_signal(), terminate(), kill()."""
+
+    def __init__(self, server: "JobServer", pid: int, args, stdin, stdout, stderr):
+        self._server, self.pid, self.args = server, pid, args
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server._status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server._status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, input=None, timeout: float | None = None):
+        """As Popen's: ``input`` to stdin (then closed), stdout and stderr read to their end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got = {}
+
+        def read(name, stream):
+            got[name] = stream.read()
+            stream.close()
+
+        readers = [threading.Thread(target=read, args=(name, stream), daemon=True)
+                   for name, stream in (("out", self.stdout), ("err", self.stderr)) if stream is not None]
+        for t in readers:
+            t.start()
+        if self.stdin is not None:
+            try:
+                if input:
+                    self.stdin.write(input)
+                self.stdin.close()
+            except BrokenPipeError:
+                pass
+        for t in readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return got.get("out"), got.get("err")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _stream_end(how, default_fd: int, reading: bool, opened: list):
+    """(the descriptor the job gets, ours of a pipe or None) for Popen's stdin/stdout/stderr=how."""
+    if how is None and default_fd >= 0:
+        return default_fd, None
+    if how is None or how == subprocess.DEVNULL:
+        fd = os.open(os.devnull, os.O_RDONLY if reading else os.O_WRONLY)
+        opened.append(fd)
+        return fd, None
+    if how == subprocess.PIPE:
+        r, w = os.pipe()
+        theirs, ours = (r, w) if reading else (w, r)
+        opened.append(theirs)
+        return theirs, ours
+    return (how if isinstance(how, int) else how.fileno()), None
+
+
+def run(popen, args, *, input=None, capture_output=False, timeout=None, check=False, **kwargs):
+    """subprocess.run's, with popen() for subprocess.Popen: past ``timeout`` the job is killed."""
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    job = popen(args, **kwargs)
+    try:
+        out, err = job.communicate(input, timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(job.pid)
+        job.wait()
+        raise
+    if check and job.returncode:
+        raise subprocess.CalledProcessError(job.returncode, args, out, err)
+    return subprocess.CompletedProcess(args, job.returncode, out, err)
+
+
+class JobServer:
+    """The interpreter that forks the jobs (``preload``: modules it imports after torch)."""
+
+    def __init__(self, preload: tuple[str, ...] = (), timeout: float = 300):
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(theirs.fileno()), *preload],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+                                     env=self.env, cwd=REPO, pass_fds=[theirs.fileno()], start_new_session=True)
+        theirs.close()
+        self._exits: dict[int, int] = {}
+        self._started: list[int] = []
+        self._reply(timeout)
+
+    # -- the socket -----------------------------------------------------------------------------
+    def _died(self) -> str:
+        self._log.seek(0)
+        return f"the job server died ({self.proc.poll()}): " + self._log.read().decode(errors="replace")[-3000:]
+
+    def _message(self, timeout: float | None) -> dict | None:
+        """The server's next message (a job's end is noted), or None past ``timeout``."""
+        if not select.select([self._sock], [], [], timeout)[0]:
+            return None
+        data = self._sock.recv(1 << 16)
+        if not data:
+            raise RuntimeError(self._died())
+        msg = json.loads(data)
+        if "exited" in msg:
+            self._exits[msg["exited"]] = msg["status"]
+        elif "error" in msg:
+            raise RuntimeError(f"job server: {msg['error']}")
+        return msg
+
+    def _reply(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._message(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                raise TimeoutError(f"no answer from the job server in {timeout} s")
+            if "exited" not in msg:
+                return msg
+
+    def _status(self, pid: int, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self._exits:
+            if self._message(None if deadline is None else max(0.0, deadline - time.monotonic())) is None:
+                return None
+        return self._exits[pid]
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def popen(self, args, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, text=False) -> Job:
+        """``args``: [sys.executable, SCRIPT, *argv] or [sys.executable, "-c", CODE, *argv]."""
+        args = [os.fspath(a) for a in args]
+        if args[0] != sys.executable or len(args) < 2 or (args[1].startswith("-") and args[1] != "-c"):
+            raise ValueError(f"not `python SCRIPT ...` nor `python -c CODE ...`: {args[:2]}")
+        cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
+        env = dict(os.environ if env is None else env)
+        differ = sorted({k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV) and env.get(k) != self.env.get(k)}
+                        | {k for k in set(env) | set(os.environ) if k.startswith(TORCH_ENV)
+                           and not k.startswith("TORCHAUTOPSY") and env.get(k) != os.environ.get(k)})
+        if differ:
+            raise ValueError(f"{differ} differ from the job server's: read when torch is imported, "
+                             "this job needs a fresh interpreter")
+        if args[1] == "-c":
+            request = {"path": None, "code": args[2], "argv": ["-c", *args[3:]]}
+        else:
+            request = {"path": os.path.join(cwd, args[1]), "argv": args[1:]}
+        request.update(cwd=cwd, env=env)
+        opened: list[int] = []
+        try:
+            fd0, w0 = _stream_end(stdin, -1, True, opened)  # (not the test process's stdin)
+            fd1, r1 = _stream_end(stdout, 1, False, opened)
+            fd2, r2 = (fd1, None) if stderr == subprocess.STDOUT else _stream_end(stderr, 2, False, opened)
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [fd0, fd1, fd2])
+            pid = self._reply()["started"]
+        finally:
+            for fd in opened:
+                os.close(fd)
+        self._started.append(pid)
+
+        def wrap(fd, mode):
+            if fd is None:
+                return None
+            f = io.open(fd, mode + "b")
+            return io.TextIOWrapper(f, write_through=mode == "w") if text else f
+
+        return Job(self, pid, args, wrap(w0, "w"), wrap(r1, "r"), wrap(r2, "r"))
+
+    def run(self, args, **kwargs) -> subprocess.CompletedProcess:
+        return run(self.popen, args, **kwargs)
+
+    def close(self) -> None:
+        """The server and every job it started, their processes included, SIGKILLed if left."""
+        for pid in self._started:
+            kill_group(pid)
+        self._sock.close()  # (the server kills its jobs' groups too, and exits)
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            kill_group(self.proc.pid)
+            self.proc.wait()
+            self._log.close()
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Jobs:
+    """A test's view of the server: jobs it starts are SIGKILLed, with their process groups, at
+    the test's end (a job a failed test left running, what a killed job left behind)."""
+
+    def __init__(self, server: JobServer):
+        self.server, self.started = server, []
+
+    def popen(self, args, **kwargs) -> Job:
+        job = self.server.popen(args, **kwargs)
+        self.started.append(job)
+        return job
+
+    def run(self, args, **kwargs) -> subprocess.CompletedProcess:
+        return run(self.popen, args, **kwargs)
+
+    def close(self) -> None:
+        for job in self.started:
+            kill_group(job.pid)
+            job.wait(60)
+            for stream in (job.stdin, job.stdout, job.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+_shared: JobServer | None = None
+
+
+@pytest.fixture(scope="session")
+def job_server():
+    """This pytest process's server (one a session: modules importing this fixture share it)."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = JobServer()
+    yield _shared
+    if _shared is not None:
+        server, _shared = _shared, None
+        server.close()
+
+
+@pytest.fixture
+def jobs(job_server):
+    j = Jobs(job_server)
+    yield j
+    j.close()
