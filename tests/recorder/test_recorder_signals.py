@@ -1,5 +1,9 @@
 """A killed job still leaves a readable trace: SIGKILL (everything flushed so far reads back)
-and SIGTERM (pre-emption: the recorder closes the file, then the process still dies by SIGTERM)."""
+and SIGTERM (pre-emption: the recorder closes the file, then the process still dies by SIGTERM).
+
+Each job is a process of its own, forked from an interpreter that imported torch
+(tests/forked_jobs.py): it imports the recorder itself, and ends by the real signal or the
+interpreter's real exit (its exit handlers, an uncaught error's traceback and status)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import numpy as np
 import pytest
 
 from recorder_testlib import attr_str, open_trace
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import invoke_cli
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -44,13 +49,13 @@ CHILD = textwrap.dedent("""
 MIN_STEPS, MIN_SECONDS, FLUSH_S = 50, 1.5, 0.2
 
 
-def _run_and_kill(tmp_path, sig):
+def _run_and_kill(jobs, tmp_path, sig):
     script = tmp_path / "train.py"
     script.write_text(CHILD)
     run_dir = tmp_path / "run"
     errf = open(tmp_path / "stderr.txt", "w")
-    proc = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=errf, text=True, cwd=tmp_path)
+    proc = jobs.popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE,
+                      stderr=errf, text=True, cwd=tmp_path)
     printed = []  # (step, loss, time read)
     try:
         deadline = time.monotonic() + 120
@@ -78,8 +83,8 @@ def _run_and_kill(tmp_path, sig):
     return rc, printed, t_kill, run_dir / "rank0.h5", (tmp_path / "stderr.txt").read_text()
 
 
-def test_sigkill_leaves_flushed_steps_readable(tmp_path):
-    rc, printed, t_kill, path, err = _run_and_kill(tmp_path, signal.SIGKILL)
+def test_sigkill_leaves_flushed_steps_readable(jobs, tmp_path):
+    rc, printed, t_kill, path, err = _run_and_kill(jobs, tmp_path, signal.SIGKILL)
     assert rc == -signal.SIGKILL
     assert path.is_file()
     with open_trace(path) as f:  # plain open, or SWMR if HDF5 still sees a writer
@@ -107,8 +112,8 @@ def test_sigkill_leaves_flushed_steps_readable(tmp_path):
     assert set(select_params(rt, 0).tensors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
-def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(tmp_path):
-    rc, printed, _, path, err = _run_and_kill(tmp_path, signal.SIGTERM)
+def test_sigterm_closes_the_trace_and_still_dies_by_the_signal(jobs, tmp_path):
+    rc, printed, _, path, err = _run_and_kill(jobs, tmp_path, signal.SIGTERM)
     assert rc == -signal.SIGTERM, err
     assert "Traceback" not in err, err
     with h5py.File(path, "r") as f:  # closed cleanly: a plain open must work
@@ -167,16 +172,16 @@ CHILD_EXIT = textwrap.dedent("""
 """)
 
 
-def _run_child(tmp_path, mode):
+def _run_child(jobs, tmp_path, mode):
     script = tmp_path / "child.py"
     script.write_text(CHILD_EXIT)
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), mode],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = jobs.run([sys.executable, str(script), str(tmp_path / "run"), mode],
+                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
     return r, tmp_path / "run" / "rank0.h5"
 
 
-def test_normal_exit_without_close_closes_the_trace(tmp_path):
-    r, path = _run_child(tmp_path, "plain")
+def test_normal_exit_without_close_closes_the_trace(jobs, tmp_path):
+    r, path = _run_child(jobs, tmp_path, "plain")
     assert r.returncode == 0, r.stderr
     with h5py.File(path, "r") as f:
         assert bool(f.attrs["closed"]) is True
@@ -184,10 +189,10 @@ def test_normal_exit_without_close_closes_the_trace(tmp_path):
         np.testing.assert_array_equal(f["steps/step"][:], np.arange(6))
 
 
-def test_sigterm_chains_to_the_jobs_own_handler(tmp_path):
+def test_sigterm_chains_to_the_jobs_own_handler(jobs, tmp_path):
     """A job with its own SIGTERM handler (graceful shutdown) keeps it: the recorder closes the
     trace and calls it; the process is not killed by the recorder."""
-    r, path = _run_child(tmp_path, "user_handler")
+    r, path = _run_child(jobs, tmp_path, "user_handler")
     assert r.returncode == 0, r.stderr
     assert "graceful stop after step 2" in r.stdout, r.stdout + r.stderr
     with h5py.File(path, "r") as f:
@@ -197,11 +202,11 @@ def test_sigterm_chains_to_the_jobs_own_handler(tmp_path):
 
 
 
-def test_uncaught_exception_fires_the_black_box(tmp_path):
+def test_uncaught_exception_fires_the_black_box(jobs, tmp_path):
     """A script that dies by an exception outside any `with Recorder(...)`: the trace is closed
     at exit with the exception as its end, and the black box holds the step it died in (its
     forward had run: its input and torch's RNG state are there)."""
-    r, path = _run_child(tmp_path, "crash")
+    r, path = _run_child(jobs, tmp_path, "crash")
     assert r.returncode == 1 and "data loader died" in r.stderr
     with h5py.File(path, "r") as f:
         assert attr_str(f, "end_reason").startswith("exception: RuntimeError: data loader died")
