@@ -6,7 +6,6 @@ one-file trace reads as before; files of another run in the directory are named 
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -15,15 +14,17 @@ from pathlib import Path
 import h5py
 import pytest
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import SAMPLES, invoke_cli
 from tests.recorder.recorder_testlib import killed_then_resumed
 
 @pytest.fixture(scope="module")
-def restarted():
+def restarted(job_server):
     """Attempt 1 (SGD): a NaN in the batch of step 35, killed at step 41 after its checkpoint at
-    30. Attempt 2: from the checkpoint, start_step=30 (SGD keeps no step count), steps 30-59."""
+    30. Attempt 2: from the checkpoint, start_step=30 (SGD keeps no step count), steps 30-59.
+    (Processes forked from an interpreter that imported torch: tests/forked_jobs.py.)"""
     d = tempfile.mkdtemp(prefix="restart_")
-    run = killed_then_resumed(d, start="30", optimizer="sgd")
+    run = killed_then_resumed(job_server, d, start="30", optimizer="sgd")
     yield d, run
     shutil.rmtree(d, ignore_errors=True)  # (this module's own directory only)
 
@@ -105,14 +106,14 @@ MIXED = textwrap.dedent("""
 """)
 
 
-def test_files_of_another_run_are_named_in_one_line():
+def test_files_of_another_run_are_named_in_one_line(jobs):
     d = tempfile.mkdtemp(prefix="restart_")
     try:
         script, run = os.path.join(d, "job.py"), os.path.join(d, "run")
         with open(script, "w") as f:
             f.write(MIXED)
         for width in (8, 8, 16):  # a restart of one run, then another model in the same directory
-            subprocess.run([sys.executable, script, run, str(width)], check=True, timeout=120)
+            jobs.run([sys.executable, script, run, str(width)], check=True, timeout=120)
         with h5py.File(os.path.join(run, "rank0.attempt2.h5"), "r+") as f:
             f.attrs["world_size"] = 2  # as if an elastic restart had changed the world size
         r = invoke_cli("info", run)

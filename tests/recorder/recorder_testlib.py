@@ -185,25 +185,29 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _job(workdir: str, mode: str, start: str = "auto", optimizer: str = "adam") -> subprocess.Popen:
+def _job(jobs, workdir: str, mode: str, start: str = "auto", optimizer: str = "adam"):
     script = os.path.join(workdir, "job.py")
     if not os.path.exists(script):
         with open(script, "w") as f:
             f.write(JOB)
-    return subprocess.Popen([sys.executable, script, os.path.join(workdir, "run"), os.path.join(workdir, "ckpt.pt"),
-                             mode, start, optimizer], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=workdir)
+    return jobs.popen([sys.executable, script, os.path.join(workdir, "run"), os.path.join(workdir, "ckpt.pt"),
+                       mode, start, optimizer], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True, cwd=workdir)
 
 
-def killed_then_resumed(workdir: str, start: str = "auto", optimizer: str = "adam") -> str:
+def killed_then_resumed(jobs, workdir: str, start: str = "auto", optimizer: str = "adam") -> str:
     """Attempt 1 SIGKILLed at step 41 (after its checkpoint at 30 and its NaN at 35), then
-    attempt 2 from the checkpoint, into the same run directory. Returns the run directory."""
-    first = _job(workdir, "first", "auto", optimizer)
+    attempt 2 from the checkpoint, into the same run directory. Returns the run directory. Each
+    attempt a process forked by ``jobs`` (tests/forked_jobs.py: the job_server or jobs fixture),
+    which imported torch: the attempt imports the recorder and dies by the real SIGKILL."""
+    first = _job(jobs, workdir, "first", "auto", optimizer)
     assert first.stdout.readline().strip() == "flushed", first.stderr.read()
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     assert first.returncode == -signal.SIGKILL
-    second = _job(workdir, "resume", start, optimizer)
+    for stream in (first.stdin, first.stdout, first.stderr):
+        stream.close()
+    second = _job(jobs, workdir, "resume", start, optimizer)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0 and out.strip() == "done", err
     return os.path.join(workdir, "run")

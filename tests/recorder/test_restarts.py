@@ -1,7 +1,8 @@
 """A job pre-empted and restarted into its run directory: each attempt keeps its own file, the
 restart's step numbers continue the checkpoint's, and load() reads the attempts as one timeline
-in which a failure of an abandoned attempt is still found. Real training in subprocesses,
-killed with SIGKILL; real HDF5 files."""
+in which a failure of an abandoned attempt is still found. Real training in processes of their
+own (forked from an interpreter that imported torch: tests/forked_jobs.py), killed with SIGKILL;
+real HDF5 files."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.run import analyze
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.recorder.recorder_testlib import killed_then_resumed
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -44,9 +46,9 @@ def _steps(path: str) -> list[int]:
 
 
 @pytest.mark.parametrize("start, optimizer", [("auto", "adam"), ("30", "sgd")])
-def test_a_killed_job_restarted_from_its_checkpoint_keeps_both_attempts(workdir, start, optimizer):
+def test_a_killed_job_restarted_from_its_checkpoint_keeps_both_attempts(jobs, workdir, start, optimizer):
     """Adam: the resumed step is read from the optimizer's state; SGD keeps none: start_step=."""
-    run = killed_then_resumed(workdir, start, optimizer)
+    run = killed_then_resumed(jobs, workdir, start, optimizer)
     first, second = os.path.join(run, "rank0.h5"), os.path.join(run, "rank0.attempt2.h5")
     assert sorted(os.listdir(run)) == ["rank0.attempt2.h5", "rank0.h5"]
     a1, a2 = _attrs(first), _attrs(second)
