@@ -3,9 +3,11 @@
 With profiler windows on, every window used to print kineto's own log lines on stderr
 ("USDT: ... profiler_start" / "profiler_stop"; "STAGE: ... Completed Stage" in older torch) and
 the CPU allocator's "[W... CPUAllocator.cpp] Memory block of unknown size was allocated before the
-profiling started". The same training runs bare and recorded, each in a fresh interpreter (kineto
-reads its log level once, when the first profiler starts), and their outputs must be equal;
-the job's own prints, warnings and logging during the windows must still come through."""
+profiling started". The same training runs bare and recorded, each in a process of its own that
+never ran a profiler (kineto reads its log level once, when the process's first profiler starts):
+forked from an interpreter that imported torch and nothing else (tests/forked_jobs.py). Their
+outputs must be equal; the job's own prints, warnings and logging during the windows must still
+come through."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 
 TRAIN = textwrap.dedent("""
     import logging, sys, warnings
@@ -50,15 +54,14 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def _run(mode: str, run_dir: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", TRAIN, mode, run_dir], capture_output=True, text=True,
-                          timeout=240)
+def _run(jobs, mode: str, run_dir: str) -> subprocess.CompletedProcess:
+    return jobs.run([sys.executable, "-c", TRAIN, mode, run_dir], capture_output=True, text=True, timeout=240)
 
 
-def test_a_recorded_job_prints_what_the_bare_job_prints():
+def test_a_recorded_job_prints_what_the_bare_job_prints(jobs):
     root = tempfile.mkdtemp(prefix="prof_")
     try:
-        bare, recorded = _run("bare", root + "/bare"), _run("recorded", root + "/rec")
+        bare, recorded = _run(jobs, "bare", root + "/bare"), _run(jobs, "recorded", root + "/rec")
         assert bare.returncode == 0, bare.stderr[-3000:]
         assert recorded.returncode == 0, recorded.stderr[-3000:]
         # The job's own output is all there (the recorder silenced nothing of it) ...

@@ -3,7 +3,8 @@ discriminator): torch.profiler is one per process, so their profiler windows tak
 
 Overlapping windows used to crash the job (exit 139 at the end of the first window: the second
 profiler's stop found no session and exporting its result read a null pointer). The training runs
-in a subprocess, so a crash fails the test instead of killing pytest."""
+in a process of its own, so a crash fails the test instead of killing pytest: forked from an
+interpreter that imported torch and never started a profiler (tests/forked_jobs.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from torchautopsy import Recorder, load
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import run_cli
 
 STEPS = 24
@@ -87,9 +89,8 @@ def root():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _run(script: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
-                          timeout=240)
+def _run(jobs, script: str, *args) -> subprocess.CompletedProcess:
+    return jobs.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=240)
 
 
 def _spans(rt) -> list[tuple[int, int]]:
@@ -97,8 +98,8 @@ def _spans(rt) -> list[tuple[int, int]]:
     return sorted(zip(pw["step_start"].astype(int), pw["step_end"].astype(int)))
 
 
-def test_two_models_two_recorders_take_turns_at_the_profiler(root):
-    r = _run(GAN, root, STEPS)
+def test_two_models_two_recorders_take_turns_at_the_profiler(jobs, root):
+    r = _run(jobs, GAN, root, STEPS)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     assert "trained" in r.stdout
     traces = {name: load(root / name).ranks[0] for name in ("gen", "disc")}
@@ -122,8 +123,8 @@ def test_two_models_two_recorders_take_turns_at_the_profiler(root):
         assert a.returncode in (0, 1), (name, a.returncode, a.stdout[-2000:], a.stderr[-2000:])
 
 
-def test_a_window_waits_for_the_jobs_own_profiler(root):
-    r = _run(OWN_PROFILER, root)
+def test_a_window_waits_for_the_jobs_own_profiler(jobs, root):
+    r = _run(jobs, OWN_PROFILER, root)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-4000:]}"
     calls = dict(line.split() for line in r.stdout.split("\n") if line)
     assert int(calls["run"]) == 6 * 2  # its six steps, two Linear layers: untouched by the recorder
