@@ -5,7 +5,9 @@ once and stops, training goes on. The recorder tried to close its file then: the
 must flush), and HDF5 crashed the process at interpreter exit (exit status 139 or 135 in every
 run, after the script's last line). Now a file the disk cannot close is left open and never
 finalized, and the job exits as the same job does without the recorder. Needs root to mount the
-tmpfs (CI runs as root); skipped where it cannot."""
+tmpfs (CI runs as root); skipped where it cannot. Each job a process forked from an interpreter
+that imported torch (tests/forked_jobs.py): it imports the recorder itself and exits through the
+interpreter's real exit (its exit handlers, finalization, the C library's exit), where the crash was."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import textwrap
 
 import pytest
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import REPEAT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tmpfs")
@@ -62,17 +65,17 @@ def tiny_disk():
     os.rmdir(where)
 
 
-def _job(mode: str, disk: str) -> subprocess.CompletedProcess:
+def _job(jobs, mode: str, disk: str) -> subprocess.CompletedProcess:
     subprocess.run(f"rm -rf {disk}/*", shell=True)
-    return subprocess.run([sys.executable, "-c", JOB, mode, disk], capture_output=True, text=True, timeout=120)
+    return jobs.run([sys.executable, "-c", JOB, mode, disk], capture_output=True, text=True, timeout=120)
 
 
-def test_a_job_whose_disk_fills_exits_as_it_does_without_the_recorder(tiny_disk):
-    bare = _job("bare", tiny_disk)
+def test_a_job_whose_disk_fills_exits_as_it_does_without_the_recorder(jobs, tiny_disk):
+    bare = _job(jobs, "bare", tiny_disk)
     assert bare.returncode == 0 and "done" in bare.stdout, bare.stderr
     codes = []
     for _ in range(REPEAT):
-        r = _job("recorded", tiny_disk)
+        r = _job(jobs, "recorded", tiny_disk)
         assert "done" in r.stdout and r.stderr.count("RuntimeWarning: torchautopsy:") == 1, r.stderr  # one warning
         codes.append(r.returncode)
     assert codes == [bare.returncode] * REPEAT, codes

@@ -4,11 +4,11 @@ once and stops recording)", "everything written up to the last flush must read b
 The child process stands in for a full disk with RLIMIT_FSIZE (writes past it fail with EFBIG;
 SIGXFSZ is ignored so the write fails instead of killing the process). Phase 1 fills the disk
 in the middle of a run, during a flush; phase 2 fills it before the final write of close().
-One child run serves all tests of this file."""
+One child run serves all tests of this file: a process forked from an interpreter that imported
+torch (tests/forked_jobs.py), its limit its own."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from recorder_testlib import open_trace
+from tests.forked_jobs import job_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE, SIGXFSZ")
 
@@ -84,11 +85,11 @@ CHILD = textwrap.dedent(f"""
 
 
 @pytest.fixture(scope="module")
-def disk_full(tmp_path_factory):
+def disk_full(job_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("diskfull")
     script = tmp / "child.py"
     script.write_text(CHILD)
-    r = subprocess.run([sys.executable, str(script), str(tmp)], capture_output=True, text=True,
+    r = job_server.run([sys.executable, str(script), str(tmp)], capture_output=True, text=True,
                        timeout=300, cwd=tmp)
     out = {"losses": [], "flushed": 0, "flush_s": [], "rc": r.returncode, "stdout": r.stdout,
            "stderr": r.stderr, "run1": tmp / "run1" / "rank0.h5"}
