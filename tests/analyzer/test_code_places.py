@@ -1,17 +1,18 @@
 """Where to look (issue 27): a finding that names a module says where that module's code is, from
 the sources the recorder read at start-up -- a job's own module by its class and forward, a
 module of torch's own (nn.Linear) by the module of other code that calls it. The job runs as a
-real one does: a script beside its package of models, in a process of its own."""
+real one does: a script beside its package of models, in a process of its own (forked from an
+interpreter that imported torch: tests/forked_jobs.py; sys.path[0] the script's folder)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import run_cli
 
 FEATURES = '''\
@@ -65,12 +66,12 @@ def _line_of(text: str, start: str) -> int:
 
 
 @pytest.mark.slow  # a training script and the CLI without torch, subprocesses
-def test_a_nan_born_in_a_modules_forward_names_that_forward_and_its_class(tmp_path: Path):
+def test_a_nan_born_in_a_modules_forward_names_that_forward_and_its_class(jobs, tmp_path: Path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "__init__.py").write_text("")
     (tmp_path / "models" / "features.py").write_text(FEATURES)
     (tmp_path / "train.py").write_text(TRAIN)
-    r = subprocess.run([sys.executable, "train.py", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = jobs.run([sys.executable, "train.py", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
     out = tmp_path / "f.json"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.training import train
 from torchautopsy import load
 from torchautopsy.analyzer.run import analyze
@@ -189,16 +190,16 @@ with Recorder(model, sys.argv[1]) as rec:
 """
 
 
-def test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them(tmp_path):
+def test_a_leak_names_the_module_whose_outputs_are_kept_by_the_op_that_made_them(jobs, tmp_path):
     """A forward hook keeps relu1's outputs with their graph. fc1 outputs the same shape and
     dtype; the census's groups carry the op that made the kept tensors (ReluBackward0), and the
     recorder's module outputs theirs, so the finding names relu1 alone. (A job of its own: in
-    the test process, memory freed by earlier tests hides the growth and a census costs more.)"""
-    import subprocess
+    the test process, memory freed by earlier tests hides the growth and a census costs more;
+    forked from an interpreter that imported torch and ran nothing: tests/forked_jobs.py.)"""
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _LEAK_JOB, str(tmp_path / "leak")], capture_output=True,
-                       text=True, timeout=300)
+    r = jobs.run([sys.executable, "-c", _LEAK_JOB, str(tmp_path / "leak")], capture_output=True, text=True,
+                 timeout=300)
     assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
     leaks = _by_kind(analyze(load(tmp_path / "leak")), "memory_leak")
     assert len(leaks) == 1, leaks

@@ -1,4 +1,5 @@
-"""A job killed by SIGKILL, and a two-rank torch.distributed job, analyzed through the CLI (in this process)."""
+"""A job killed by SIGKILL, and a two-rank torch.distributed job, analyzed through the CLI (in this process).
+The jobs are processes forked from an interpreter that imported torch (tests/forked_jobs.py)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import textwrap
 import time
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import REPO, invoke_cli
 
 TRAIN_NAN_THEN_HANG = textwrap.dedent("""
@@ -36,11 +38,11 @@ TRAIN_NAN_THEN_HANG = textwrap.dedent("""
 """)
 
 
-def test_sigkilled_job_is_analyzed(tmp_path):
+def test_sigkilled_job_is_analyzed(jobs, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_NAN_THEN_HANG)
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE, text=True)
+    p = jobs.popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE, text=True)
     t0, last = None, -1
     while last < 60 or time.time() - t0 < 1.0:  # well past the NaN, and five flushes after it
         line = p.stdout.readline()
@@ -96,7 +98,7 @@ DDP_TRAIN = textwrap.dedent("""
 """)
 
 
-def test_two_ranks_name_the_rank_that_went_wrong_first(tmp_path):
+def test_two_ranks_name_the_rank_that_went_wrong_first(jobs, tmp_path):
     import socket
 
     with socket.socket() as s:
@@ -105,8 +107,8 @@ def test_two_ranks_name_the_rank_that_went_wrong_first(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_TRAIN)
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(script), str(run_dir), str(port)], capture_output=True,
-                       text=True, timeout=180, cwd=REPO)
+    r = jobs.run([sys.executable, str(script), str(run_dir), str(port)], capture_output=True,
+                 text=True, timeout=180, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(run_dir)) == ["rank0.h5", "rank1.h5"]
 

@@ -20,6 +20,7 @@ from torch.cuda import _memory_viz
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.memory_snapshot import history_peak, live_sites, oom_request, snapshot_dict
 from tests.cli.test_bad_input import assert_one_line_error
+from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import invoke_cli
 from tests.training import train
 
@@ -295,8 +296,9 @@ def test_names_from_a_snapshot_are_escaped_in_reports(tmp_path):
     assert (tmp_path / "r.pdf").read_bytes().startswith(b"%PDF")
 
 
-def test_an_out_of_memory_error_that_ends_a_job_without_a_with_block_is_caught_at_exit(tmp_path):
-    import subprocess
+def test_an_out_of_memory_error_that_ends_a_job_without_a_with_block_is_caught_at_exit(jobs, tmp_path):
+    """The job: a process forked from an interpreter that imported torch (tests/forked_jobs.py),
+    dying of its uncaught error through the interpreter's real exit (the recorder's atexit hook)."""
     import sys
     import textwrap
 
@@ -314,8 +316,8 @@ def test_an_out_of_memory_error_that_ends_a_job_without_a_with_block_is_caught_a
             opt.zero_grad(); loss.backward(); opt.step()
             rec.step(loss=loss)
     """)
-    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
-                       timeout=120)
+    r = jobs.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                 timeout=120)
     assert r.returncode == 1 and "can't allocate memory" in r.stderr
     rt = load(tmp_path / "run").ranks[0]
     (e,) = rt.oom_events.to_dict("records")
