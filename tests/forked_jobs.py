@@ -18,9 +18,10 @@ subprocess.Popen (subprocess.run) would, in a process forked from it:
   status 1), SystemExit, a signal, or the end of its code, then its exit handlers (atexit) and the
   interpreter's finalization, all in the job's own process. ``Job.wait()`` returns its status as
   Popen's returncode (negative: the signal that ended it);
-- it is a process group of its own: the test's ``jobs`` fixture SIGKILLs each job's group at the
-  test's end (a job left running by a failed test, or processes a killed job left behind), the
-  server's close every job's.
+- it is a process group of its own, and the server a subreaper: the test's ``jobs`` fixture
+  SIGKILLs at the test's end each job still running (a failed test's), with its group, and
+  whatever processes ended jobs left behind (the server's children now); the server's close
+  every process left.
 
 What is not a fresh interpreter's, and so stays with subprocess: torch's import itself and
 anything done at interpreter start (`python -m`, import-time checks, sys.flags, an interpreter
@@ -87,6 +88,26 @@ SERVER = textwrap.dedent("""
         def send(msg):
             sock.send(json.dumps(msg).encode())
 
+        def kill_children(also_jobs):
+            # SIGKILL this process's children (and their process groups) but its running jobs
+            # (unless also_jobs): processes jobs left behind, reparented to it. Returns how many.
+            me, killed = str(os.getpid()), 0
+            for entry in os.listdir("/proc"):
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = f.read().rsplit(")", 1)[1].split()[1]
+                    pid = int(entry)
+                    if ppid != me or (pid in jobs and not also_jobs):
+                        continue
+                    group = os.getpgid(pid)
+                    if group not in jobs or also_jobs:  # (not a running job's group)
+                        os.killpg(group, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except (OSError, ValueError, IndexError):
+                    pass
+            return killed
+
         for name in sys.argv[2:]:
             importlib.import_module(name)
         ours = [m for m in sys.modules if m.split(".")[0] in ("torchautopsy", "tests")]
@@ -115,15 +136,19 @@ SERVER = textwrap.dedent("""
             if sock not in ready:
                 continue
             data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-            if not data:  # the test process closed its end
-                for pid in jobs:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+            if not data:  # the test process closed its end: every process left, and their children
+                while kill_children(also_jobs=True):
+                    while True:
+                        try:
+                            os.waitpid(-1, 0)
+                        except ChildProcessError:
+                            break
                 sys.exit(0)
             request, pid = json.loads(data), None
             try:
+                if request.get("op") == "orphans":
+                    send({"killed": kill_children(also_jobs=False)})
+                    continue
                 threads = len(os.listdir("/proc/self/task"))
                 if threads != 1:
                     raise RuntimeError(f"{threads} threads in the server: a fork copies their locks, held or not")
@@ -341,7 +366,7 @@ class JobServer:
             request = {"path": None, "code": args[2], "argv": ["-c", *args[3:]]}
         else:
             request = {"path": os.path.join(cwd, args[1]), "argv": args[1:]}
-        request.update(cwd=cwd, env=env)
+        request.update(op="start", cwd=cwd, env=env)
         opened: list[int] = []
         try:
             fd0, w0 = _stream_end(stdin, -1, True, opened)  # (not the test process's stdin)
@@ -365,11 +390,17 @@ class JobServer:
     def run(self, args, **kwargs) -> subprocess.CompletedProcess:
         return run(self.popen, args, **kwargs)
 
+    def kill_orphans(self) -> int:
+        """SIGKILL what finished jobs left behind (their children: the server's now)."""
+        self._sock.send(json.dumps({"op": "orphans"}).encode())
+        return self._reply()["killed"]
+
     def close(self) -> None:
         """The server and every job it started, their processes included, SIGKILLed if left."""
         for pid in self._started:
-            kill_group(pid)
-        self._sock.close()  # (the server kills its jobs' groups too, and exits)
+            if pid not in self._exits:  # (a pid known to have ended may be another's now)
+                kill_group(pid)
+        self._sock.close()  # (the server kills its children and their groups too, and exits)
         try:
             self.proc.wait(timeout=30)
         finally:
@@ -402,11 +433,14 @@ class Jobs:
 
     def close(self) -> None:
         for job in self.started:
-            kill_group(job.pid)
-            job.wait(60)
+            if job.poll() is None:  # (a pid known to have ended may be another's now)
+                kill_group(job.pid)
+                job.wait(60)
             for stream in (job.stdin, job.stdout, job.stderr):
                 if stream is not None:
                     stream.close()
+        if self.started:
+            self.server.kill_orphans()
 
 
 _shared: JobServer | None = None
