@@ -74,9 +74,18 @@ def n_params(workload: str) -> int:
     return len(list(build(workload)[0].parameters()))
 
 
-def build(workload: str):
+def build(workload: str, batch: int | None = None):
     """The model, optimizer, loss and batches of a workload: overhead.py's MLP and CNN with AdamW,
-    and a 6-layer nn.TransformerEncoder (d 128, 4 heads, sequence 32, batch 8) with AdamW."""
+    and a 6-layer nn.TransformerEncoder (d 128, 4 heads, sequence 32, batch 8) with AdamW.
+    ``batch``: each batch cut to its first ``batch`` samples (the ops dispatched do not depend on
+    the batch's size, their work does: the test counts on small batches)."""
+    model, opt, loss_fn, batches = _build(workload)
+    if batch is not None:
+        batches = [(x[:batch], y[:batch]) for x, y in batches]
+    return model, opt, loss_fn, batches
+
+
+def _build(workload: str):
     from torch import nn
 
     torch.manual_seed(0)
@@ -113,14 +122,14 @@ def build(workload: str):
 
 
 def count_steps(workload: str, steps: int, recorded: bool, run_dir: str | None = None, device: str = "cpu",
-                instrument: str = "ops", **options) -> list:
+                instrument: str = "ops", batch: int | None = None, **options) -> list:
     """Per training iteration (rec.step() included when recorded): a Counter of the ops dispatched
     (instrument "ops"), or on a GPU {"syncs", "kernels"} (instrument "cuda": host syncs seen by
     CUDA's sync debug mode, kernels and copies seen by torch.profiler) or its seconds ("time")."""
     from torchautopsy import Recorder
 
     torch.set_num_threads(1)
-    model, opt, loss_fn, batches = build(workload)
+    model, opt, loss_fn, batches = build(workload, batch)
     dev = torch.device(device)
     model.to(dev)  # (the optimizer keeps the same Parameter objects)
     batches = [(x.to(dev), y.to(dev)) for x, y in batches]
@@ -242,15 +251,16 @@ def step_kinds(run_dir: str, n: int) -> list[str]:
             for ks in kinds]
 
 
-def measure(workload: str, steps: int = 120, fused: bool = True) -> dict:
+def measure(workload: str, steps: int = 120, fused: bool = True, batch: int | None = None) -> dict:
     """{'bare': median ops of a bare step, 'bare_compute': without views, kind: {...}} where each
     kind has its steps, the median ops added (all, and without views) and the ops of its median
-    step by name (added over the bare step). ``fused``: the GPU's path (else the CPU's)."""
-    bare = count_steps(workload, 8, recorded=False)[2:]
+    step by name (added over the bare step). ``fused``: the GPU's path (else the CPU's). ``batch``:
+    see build()."""
+    bare = count_steps(workload, 8, recorded=False, batch=batch)[2:]
     bare_ops = bare[len(bare) // 2]
     with tempfile.TemporaryDirectory(prefix="torchautopsy-ops-") as tmp:
         recorded = count_steps(workload, steps, recorded=True, run_dir=tmp, fused_reductions=True if fused else None,
-                               fingerprint_every=FINGERPRINT_EVERY)
+                               fingerprint_every=FINGERPRINT_EVERY, batch=batch)
         kinds = step_kinds(tmp, steps)
     out = {"workload": workload, "path": "GPU (fused)" if fused else "CPU", "bare": sum(bare_ops.values()),
            "bare_compute": sum(bare_ops.values()) - views(bare_ops), "kinds": {}}
