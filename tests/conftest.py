@@ -16,6 +16,8 @@ import tempfile
 
 import pytest
 
+from tests.forked_jobs import job_server, jobs  # noqa: F401  (fixtures: recorded jobs forked, one server a worker)
+
 # One intra-op thread in every test process and the jobs they start (inherited), unless the
 # caller sets it: the suite runs two pytest workers on two cores, and torch's default of a thread
 # per core made each worker's OpenMP threads spin against the other's. Measured on the

@@ -309,19 +309,17 @@ class Jobs:
             self.server.kill_orphans()
 
 
-_shared: JobServer | None = None
+# What a job with an optimizer imports anyway, at its first optimizer (torch.optim's
+# _disable_dynamo wrapper imports torch._dynamo: ~2.7 CPU-s a job when it was not preloaded).
+PRELOAD = ("torch._dynamo",)
 
 
 @pytest.fixture(scope="session")
 def job_server():
-    """This pytest process's server (one a session: modules importing this fixture share it)."""
-    global _shared
-    if _shared is None or _shared.proc.poll() is not None:
-        _shared = JobServer()
-    yield _shared
-    if _shared is not None:
-        server, _shared = _shared, None
-        server.close()
+    """This pytest process's server (tests/conftest.py registers the fixtures: one a session)."""
+    server = JobServer(preload=PRELOAD)
+    yield server
+    server.close()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import run_cli
 
 FEATURES = '''\

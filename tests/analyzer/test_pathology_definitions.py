@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.training import train
 from torchautopsy import load
 from torchautopsy.analyzer.run import analyze

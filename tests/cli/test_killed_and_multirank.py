@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import REPO, invoke_cli
 
 TRAIN_NAN_THEN_HANG = textwrap.dedent("""

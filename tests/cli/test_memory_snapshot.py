@@ -20,7 +20,6 @@ from torch.cuda import _memory_viz
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.memory_snapshot import history_peak, live_sites, oom_request, snapshot_dict
 from tests.cli.test_bad_input import assert_one_line_error
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import invoke_cli
 from tests.training import train
 

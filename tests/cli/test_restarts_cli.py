@@ -14,7 +14,6 @@ from pathlib import Path
 import h5py
 import pytest
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import SAMPLES, invoke_cli
 from tests.recorder.recorder_testlib import killed_then_resumed
 

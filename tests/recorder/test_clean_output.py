@@ -17,7 +17,6 @@ import sys
 import tempfile
 import textwrap
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 
 TRAIN = textwrap.dedent("""
     import logging, sys, warnings

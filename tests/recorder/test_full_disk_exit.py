@@ -19,7 +19,6 @@ import textwrap
 
 import pytest
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import REPEAT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tmpfs")

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from recorder_testlib import open_trace
-from tests.forked_jobs import job_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE, SIGXFSZ")
 

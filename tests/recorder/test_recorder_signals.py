@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from recorder_testlib import attr_str, open_trace
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import invoke_cli
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

@@ -23,7 +23,6 @@ from torch import nn
 from torchautopsy import Recorder, load
 from torchautopsy.analyzer.run import analyze
 
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.recorder.recorder_testlib import killed_then_resumed
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

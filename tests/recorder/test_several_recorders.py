@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from torchautopsy import Recorder, load
-from tests.forked_jobs import job_server, jobs  # noqa: F401 (fixtures)
 from tests.helpers import run_cli
 
 STEPS = 24
