@@ -10,7 +10,7 @@ recorder may still be alive when the job's last exit handler runs (the job regis
 the Recorder, so it runs after the recorder's).
 
 Each rank is a process of its own, forked by one interpreter that imported torch once
-(tests/forked_jobs.py, with DDP's torch._dynamo): a fresh one paid ~4.5 CPU-s before its first
+(the suite's job server, tests/forked_jobs.py: its torch._dynamo brings DDP's modules): a fresh one paid ~4.5 CPU-s before its first
 step, 16 of them 70 of the test's 84 CPU-s. The rank then runs JOB as `python -c JOB` would, at
 the module's level, and ends as it would: JOB's uncaught error or signal, or its end, then its
 exit handlers, the interpreter's finalization (threads, modules) and exit()'s C++ destructors, all
@@ -93,13 +93,6 @@ END_REASON = {"closed": "closed", "never_closed": "exit", "exception": "exceptio
 STATUS = {"closed": 0, "never_closed": 0, "exception": 1, "sigterm": -15}
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = JobServer(preload=("torch.distributed", "torch.nn.functional", "torch.nn.parallel", "torch._dynamo.utils"))
-    yield s
-    s.close()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,13 +134,13 @@ def _check(path: str, statuses: tuple[int, int], outs: list[str]) -> None:
 
 
 @pytest.mark.parametrize("path", ["closed", "never_closed", "exception", "sigterm"])
-def test_every_rank_exits_as_the_bare_job_does(server, path):
-    statuses, outs, _ = _job(server, path, "bare")
+def test_every_rank_exits_as_the_bare_job_does(job_server, path):
+    statuses, outs, _ = _job(job_server, path, "bare")
     _check(path, statuses, outs)
     # The healthy job most often: an abort at exit was seen in about 1 of 5 such runs (issue 38;
     # 0 in 110 since its fix): REPEAT times (tests/helpers.py).
     for _ in range(REPEAT):
-        statuses, outs, run = _job(server, path, "recorded")
+        statuses, outs, run = _job(job_server, path, "recorded")
         _check(path, statuses, outs)
         assert sorted(os.listdir(run)) == ["rank0.h5", "rank1.h5"], outs
         for rank in (0, 1):
