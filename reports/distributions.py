@@ -144,7 +144,11 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
     them holds from its first step to the next bucket's (the last, to ``end`` or one interval on)."""
     fig = ax.figure
     ax.remove()
-    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    # The panels and, in a narrow column of the same grid, their colorbar: one row that
+    # plots.render_png's margins move as a whole.
+    outer = fig.add_gridspec(1, 2, width_ratios=[1, 0.018], wspace=0.02)
+    axes = outer[0].subgridspec(1, len(panels)).subplots(sharey=True, squeeze=False)[0]
+    colorbar_ax = fig.add_subplot(outer[1])
     order = _display_order(lower.size)
     # Only the range of magnitude bins that holds anything, plus the special bins.
     total = sum(c.sum(axis=0) for _, _, c in panels)[order]
@@ -202,7 +206,7 @@ def plot_histograms(panels, lower: np.ndarray, upper: np.ndarray, ax, *, marks=(
     axes[0].set_yticklabels(labels, fontsize=6)
     sm = plots.matplotlib.cm.ScalarMappable(norm=plots.matplotlib.colors.Normalize(-6, 0),
                                             cmap=plots.matplotlib.colormaps["viridis"])
-    cb = fig.colorbar(sm, ax=list(axes), fraction=0.025, pad=0.01, aspect=30)
+    cb = fig.colorbar(sm, cax=colorbar_ax)
     cb.set_ticks([-6, -4, -2, 0])
     cb.set_ticklabels(["1e-6", "1e-4", "0.01", "1"], fontsize=6)
     cb.set_label("share of elements", fontsize=7)

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import matplotlib
 import numpy as np
 import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from ..analyzer.display import shorten as _shorten
+from .plot_layout import fit_margins, plain_log_labels
 
 FIG_WIDTH_IN = 7.0
 DPI = 150
@@ -66,8 +68,11 @@ def render_png(plot: Callable, *args, height_in: float = 2.8, **kwargs) -> bytes
     with matplotlib.rc_context(_RC), warnings.catch_warnings():
         # Names from traces may hold characters DejaVu Sans lacks (CJK, emoji): they draw as boxes.
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-        fig = Figure(figsize=(FIG_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
+        fig = Figure(figsize=(FIG_WIDTH_IN, height_in), dpi=DPI)
+        FigureCanvasAgg(fig)
         plot(*args, ax=fig.add_subplot(), **kwargs)
+        plain_log_labels(fig)
+        fit_margins(fig)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()
