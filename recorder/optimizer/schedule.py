@@ -10,12 +10,13 @@ scale fell.
 
 from __future__ import annotations
 
-import gc
 import math
 import operator
 import weakref
 
 import torch
+
+from ..memory.readings import live_instances
 
 _PARAMS = operator.itemgetter("params")
 # Group keys that are flags or bookkeeping, never a schedule (torch.optim's own names).
@@ -63,19 +64,12 @@ def _float(v) -> float:
 
 def find_scaler_and_optimizers() -> tuple[list, list]:
     """The GradScalers and optimizers alive in this process, read through the garbage
-    collector's object list (~80 ms in a process that imported torch, measured; done at the
-    first step, and at most once more). type() is checked, never an attribute: no object's code
-    runs (an isinstance() on some lazy module objects warns)."""
+    collector's object list (memory.readings.live_instances: no object's code runs). Done at
+    the first step, and at most once more."""
     scaler_type = getattr(getattr(torch, "amp", None), "GradScaler", None)
     scalers, optimizers = [], []
-    for o in gc.get_objects():
-        t = type(o)
-        if not isinstance(t, type):
-            continue
-        if scaler_type is not None and issubclass(t, scaler_type):
-            scalers.append(o)
-        elif issubclass(t, torch.optim.Optimizer):
-            optimizers.append(o)
+    for o in live_instances(torch.optim.Optimizer, *([scaler_type] if scaler_type is not None else [])):
+        (scalers if scaler_type is not None and issubclass(type(o), scaler_type) else optimizers).append(o)
     used = [s for s in scalers if getattr(s, "_enabled", False) and getattr(s, "_scale", None) is not None]
     return used, optimizers
 
