@@ -55,17 +55,25 @@ def findings(run_dir, tmp_path):
     return json.loads(out.read_text())["findings"], r.stdout
 
 
-def test_a_slow_data_loader_is_flagged(tmp_path):
-    train(tmp_path / "run", sleep_s=0.002)  # 64 x 2 ms = 128 ms of waiting per batch
-    found, out = findings(tmp_path / "run", tmp_path)
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory):
+    """A run with the Recorder's default options and a slow data loader, analyzed once (its
+    findings, terminal report and HTML report): the slow-loader and profiler-window tests read it."""
+    d = tmp_path_factory.mktemp("slow")
+    train(d / "run", sleep_s=0.002)  # 64 x 2 ms = 128 ms of waiting per batch
+    r = invoke_cli("analyze", d / "run", "--json", d / "f.json", "--html", d / "r.html")
+    assert r.returncode == 0, r.stderr
+    return d / "run", json.loads((d / "f.json").read_text())["findings"], r.stdout, (d / "r.html").read_text()
+
+
+def test_a_slow_data_loader_is_flagged(slow_run):
+    _, found, out, html = slow_run
     (f,) = [f for f in found if f["kind"] == "dataloader_bottleneck"]
     assert f["severity"] == "warning" and f["evidence"]["data_wait_share"] > 0.3
     assert f["evidence"]["median_data_wait_s"] > 0.1
     assert "num_workers" in f["advice"] and "dataloader_bottleneck" in out
     # The report's step-time figure tells the DataLoader's wait from the loop's other work.
-    html = tmp_path / "r.html"
-    assert invoke_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
-    assert "split into waiting for the DataLoader" in html.read_text()
+    assert "split into waiting for the DataLoader" in html
 
 
 def test_a_fast_data_loader_is_not(tmp_path):
@@ -77,33 +85,29 @@ def test_a_fast_data_loader_is_not(tmp_path):
     assert (t.to_numpy() > 0).all()  # every phase timed on every step after the first
 
 
-def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(tmp_path):
-    train(tmp_path / "run", sleep_s=0.0, steps=30)  # default: one window at steps 10-11
-    rt = load(tmp_path / "run").ranks[0]
+def test_profiler_windows_are_recorded_by_default_and_export_to_chrome_trace(slow_run, tmp_path):
+    run, found, _, html = slow_run  # default options: one window at steps 10-11
+    rt = load(run).ranks[0]
     w = rt.profile_windows
     assert list(w["step_start"]) == [10] and list(w["step_end"]) == [11]
     ops = rt.profile_ops(0)
     assert ops["calls"].sum() > 0 and any(n in set(ops["name"]) for n in ("aten::addmm", "aten::linear"))
     out = tmp_path / "trace.json"
-    r = invoke_cli("export", tmp_path / "run", "--profile", out)
+    r = invoke_cli("export", run, "--profile", out)
     assert r.returncode == 0, r.stderr
     events = json.loads(out.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::addmm" for e in events)
-    assert "profiler     1 window(s) at steps 10-11" in invoke_cli("info", tmp_path / "run").stdout
-    html = tmp_path / "r.html"
-    assert invoke_cli("analyze", tmp_path / "run", "--html", html).returncode == 0
-    text = html.read_text()
-    assert "Slowest operators" in text and "aten::addmm" in text and "torch.profiler windows" in text
-    found, _ = findings(tmp_path / "run", tmp_path)
+    assert "profiler     1 window(s) at steps 10-11" in invoke_cli("info", run).stdout
+    assert "Slowest operators" in html and "aten::addmm" in html and "torch.profiler windows" in html
     assert [f for f in found if f["kind"] == "host_device_copies"] == []  # CPU: no device copies
 
 
-def test_export_errors_are_one_line(tmp_path):
-    train(tmp_path / "run", sleep_s=0.0, steps=15, profile_first=2, profile_steps=2)
+def test_export_errors_are_one_line(slow_run, tmp_path):
+    run = slow_run[0]  # one profiler window (0), one rank (0)
     for args, needle in ((["--profile", tmp_path / "t.json", "--window", "5"], "no profiler window 5"),
                          (["--profile", tmp_path / "t.json", "--rank", "3"], "no rank 3"),
                          ([], "nothing to export")):
-        r = invoke_cli("export", tmp_path / "run", *args)
+        r = invoke_cli("export", run, *args)
         assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
