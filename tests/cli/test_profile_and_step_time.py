@@ -191,7 +191,12 @@ def test_slow_steps_say_which_phase_grew_and_what_coincided(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), SleepsAt(30, 0.3), nn.ReLU(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    live = [[i] for i in range(1_000_000)]  # a job with many live Python objects
+    gc.disable()  # (building them under the collector's automatic passes costs ~1 CPU-s)
+    try:
+        live = [[i] for i in range(1_000_000)]  # a job with many live Python objects
+    finally:
+        gc.enable()
+    gc.collect()  # they settle in the oldest generation now, not in a full pass at some step
 
     def collect(step):
         if step == 20:  # full collections between two steps, each walking every object (6: a slow
@@ -287,7 +292,8 @@ def test_the_steps_slowed_by_exporting_a_profiler_window_are_the_recorders_not_t
     torch.manual_seed(0)
     model = nn.GRU(16, 128, batch_first=True)
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    train_on(model, tmp_path / "run", 60, lambda step: torch.randn(16, 50, 16),
+    # 40 steps: the window (10-11), its export (a few steps) and the 20 ordinary steps the median needs.
+    train_on(model, tmp_path / "run", 40, lambda step: torch.randn(16, 50, 16),
              lambda out: out[0][:, -1].pow(2).mean(), optimizer=opt, hold_output=True)  # out: (outputs, hidden state)
     rt = load(tmp_path / "run").ranks[0]
     (window,) = rt.profile_windows.to_dict("records")
