@@ -77,15 +77,29 @@ def test_one_rank_has_no_ranks_section(tmp_path):
     assert 'id="ranks"' not in render_html(report)
 
 
-def test_past_96_ranks_the_rows_are_groups_and_the_odd_rank_still_shows(tmp_path):
-    n = 100  # past MAX_ROWS (96): the rows become groups
-    for r in range(n):  # (20 steps: the straggler from step 10 shows as at 40; ranks cost ~0.2 CPU-s each)
+@pytest.fixture(scope="module")
+def many_ranks(tmp_path_factory):
+    """(trace, findings) of one run past MAX_ROWS ranks (97), shared by the tests past 40 and past
+    96 ranks (~0.2 CPU-s a rank to write, check and analyze): 20 steps, rank 77 slow in its
+    forward from step 10 (a straggler: it shows from step 10 as at 40); at step 20 rank 41 stops
+    in its data loading, ranks 42 and 43 in their forward, the others wait in backward until the
+    job is killed (the stall is after the last step: the steps' pictures do not show it)."""
+    n = rank_section.MAX_ROWS + 1
+    run = tmp_path_factory.mktemp("many_ranks")
+    for r in range(n):
         b = rank(r, steps=20).attrs(world_size=n)
         if r == 77:
             b.set("steps/forward_s", 0.3, at=slice(10, None))
-        b.write(tmp_path, rank=r)
-    trace = load(tmp_path)
-    findings = analyze(trace, workers=1)  # (worker processes: straggler_then_hang, tests/analyzer/test_parallel.py)
+        phase = "data" if r == 41 else "forward" if r in (42, 43) else "backward"
+        _stall(b, 20, phase, {"data": 61, "forward": 62, "backward": 64}[phase], "x = f()", seconds=30)
+        b.write(run, rank=r)
+    trace = load(str(run))
+    return trace, analyze(trace, workers=1)  # (worker processes: straggler_then_hang, tests/analyzer/test_parallel.py)
+
+
+def test_past_96_ranks_the_rows_are_groups_and_the_odd_rank_still_shows(many_ranks):
+    trace, findings = many_ranks
+    assert len(trace.ranks) > rank_section.MAX_ROWS  # (past it the rows become groups)
     assert [(f.rank, f.step) for f in findings if f.kind == "straggler"] == [(77, 10)]
     ctx = Context(trace, findings, AnalysisConfig())
     figs = rank_section.figures(ctx)
@@ -148,29 +162,22 @@ def test_the_replica_picture_from_the_counters_is_the_picture_of_every_ranks_row
     assert dev.any() and missing.any() and (len(labels) < n) == (n > rank_section.MAX_ROWS)
 
 
-def test_past_40_ranks_the_hang_figure_draws_the_ranks_that_stopped_elsewhere_first(tmp_path):
-    """45 ranks: rank 41 stops in its data loading, ranks 42 and 43 in their forward, the others
+def test_past_40_ranks_the_hang_figure_draws_the_ranks_that_stopped_elsewhere_first(many_ranks):
+    """97 ranks: rank 41 stops in its data loading, ranks 42 and 43 in their forward, the others
     wait in backward. The hang figure draws 40 rows: the named rank, those that stopped elsewhere
     than most ranks (from the counters: the Lights keep no heartbeats), then the others; the ends
     table groups every rank by its Light's last heartbeat."""
     from torchautopsy.reports.sections import hang as hang_section
 
-    n = 45
-    for r in range(n):
-        b = rank(r, steps=30).attrs(world_size=n)
-        phase = "data" if r == 41 else "forward" if r in (42, 43) else "backward"
-        _stall(b, 30, phase, {"data": 61, "forward": 62, "backward": 64}[phase], "x = f()", seconds=30)
-        b.write(tmp_path, rank=r)
-    trace = load(str(tmp_path))
-    findings = analyze(trace, workers=1)
+    trace, findings = many_ranks
     (f,) = [f for f in findings if f.kind == "hang"]
-    assert (f.rank, f.step) == (41, 30)
+    assert (f.rank, f.step) == (41, 20)
     ctx = Context(trace, findings, AnalysisConfig())
     drawn = hang_section._drawn(ctx, f, rank_section.digests(ctx))
     assert drawn == [41, 42, 43] + list(range(37))
     fig = hang_section.figure_for(ctx, f)
     assert fig.png and "40 of them: the odd ones first" in fig.caption
     rows = rank_section.end_table(ctx).rows
-    assert [r[:4] for r in rows] == [("41", "29", "killed (not closed)", "step 30, data"),
-                                     ("42-43", "29", "killed (not closed)", "step 30, forward"),
-                                     ("0-44 except 41-43", "29", "killed (not closed)", "step 30, backward")]
+    assert [r[:4] for r in rows] == [("41", "19", "killed (not closed)", "step 20, data"),
+                                     ("42-43", "19", "killed (not closed)", "step 20, forward"),
+                                     ("0-96 except 41-43", "19", "killed (not closed)", "step 20, backward")]
