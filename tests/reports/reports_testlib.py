@@ -33,6 +33,13 @@ def pdf_pages_text(pdf: bytes) -> list[str]:
     return pages
 
 
+def pdf_page_count(pdf: bytes) -> int:
+    """The number of pages, without extracting their text (the costly part)."""
+    from pypdf import PdfReader
+
+    return len(PdfReader(io.BytesIO(pdf)).pages)
+
+
 def squeeze(text: str) -> str:
     """Text without any whitespace: a PDF wraps lines wherever the width ends."""
     return "".join(text.split())
