@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import re
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -25,9 +26,9 @@ from .parallel import RankResult, Shared, _held_pass, _own_problem, could_not_re
 from .trace import Trace, safety
 from .trace.shards import WholeParams
 
-# How long to wait for a scheduler that does not answer (a wrong host or port, a firewall) before
-# saying so: long enough for a scheduler across a busy cluster network, short enough that a typo
-# is told within seconds rather than after Dask's default 30 s.
+# How long to wait for a scheduler that does not answer (a wrong host, a firewall) before saying
+# so: long enough for a scheduler across a busy cluster network, short enough that a typo is told
+# within seconds rather than after Dask's default 30 s. (A port nothing listens on: at once, _answers.)
 CONNECT_TIMEOUT_S = 10.0
 INSTALL = 'pip install "torchautopsy[cluster]"'
 _LOCAL = re.compile(r"local:(\d+)")
@@ -90,6 +91,7 @@ def connect(address: str) -> Iterator:
                         dashboard_address=":0", silence_logs=logging.CRITICAL))
                     client = stack.enter_context(Client(cluster, timeout=CONNECT_TIMEOUT_S))
                 else:
+                    _answers(address)
                     client = stack.enter_context(Client(address, timeout=CONNECT_TIMEOUT_S))
             except (OSError, TimeoutError, ValueError) as e:
                 raise ClusterError(f"--scheduler {address}: could not reach the Dask scheduler "
@@ -97,6 +99,31 @@ def connect(address: str) -> Iterator:
             yield client
     finally:
         quiet.setLevel(level)
+
+
+def _answers(address: str) -> None:
+    """Raise OSError if nothing listens at a TCP scheduler's address (a typo'd port, a scheduler
+    not running: the host refuses at once, yet Dask retries a refused connection until its
+    timeout, 10 s of silence for a typo) or it does not answer within the timeout. Any other
+    outcome (it accepts; the name does not resolve yet) is left to Dask's own connect and retries."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, loc = parse_address(address)
+        host, port = parse_host_port(loc)
+    except ValueError:
+        return
+    if scheme not in ("tcp", "tls"):
+        return
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except ConnectionRefusedError:
+        raise OSError(f"connection refused: nothing listens on {host}:{port}; is the scheduler running, "
+                      "and on that port?") from None
+    except TimeoutError:
+        raise OSError(f"no answer from {host}:{port} within {CONNECT_TIMEOUT_S:.0f} s") from None
+    except OSError:
+        return
 
 
 def prober(client):

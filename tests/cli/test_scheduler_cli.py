@@ -38,12 +38,14 @@ def test_diff_on_a_local_cluster_gives_the_same_comparison(tmp_path):
     assert json.loads((tmp_path / "dask.json").read_text())["new_findings"]["b"]  # (B's hang: found on the cluster)
 
 
-@pytest.mark.slow  # (the connect timeout: 10 s)
+@pytest.mark.slow  # (a subprocess)
 def test_a_scheduler_that_does_not_answer_is_one_line_and_exit_2():
+    # (a port nothing listens on: the host refuses, told at once rather than after the connect timeout)
     r = run_cli("analyze", RUN, "--scheduler", "tcp://127.0.0.1:9", timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [r.stderr.strip()] and "Traceback" not in r.stderr
-    assert r.stderr.startswith("Error: --scheduler tcp://127.0.0.1:9: could not reach the Dask scheduler"), r.stderr
+    assert r.stderr.startswith("Error: --scheduler tcp://127.0.0.1:9: could not reach the Dask scheduler "
+                               "(connection refused"), r.stderr
 
 
 @pytest.mark.parametrize("address", ["local:0", "local:two", "tcp://", "no such host", "a/b"])
