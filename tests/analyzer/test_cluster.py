@@ -24,8 +24,10 @@ def client():
     from distributed import Client, LocalCluster
 
     # A task whose worker dies is given up at once (Dask's default retries it 3 times, on fresh workers).
-    # (workers that may start the files' probe children, as analyze's local:N starts them)
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.daemon": False}), \
+    # (workers that may start the files' probe children, as analyze's local:N starts them; without
+    # the profiler that samples their threads every 10 ms for a dashboard no test reads)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.worker.daemon": False,
+                          "distributed.worker.profile.enabled": False}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="1GiB",
                          dashboard_address=None, silence_logs=logging.CRITICAL) as cluster, Client(cluster) as c:
         yield c
@@ -108,8 +110,19 @@ def _run_dir(case: str, tmp_path):
         write_run(tmp_path, ranks=8, steps=400, params=30, workers=1)
         return tmp_path
     if case == "copies":
-        return rank_copies(tmp_path / "run", 6)
+        return rank_copies(tmp_path / "run", 4)
     return SAMPLES / case
+
+
+_COMPARED: dict[str, tuple[list[dict], list[dict]]] = {}  # case -> (local, on Dask): each analyzed once
+
+
+def _compared(case: str, client, tmp_path) -> tuple[list[dict], list[dict]]:
+    """A case's findings on the local path and on the cluster."""
+    if case not in _COMPARED:
+        run_dir = _run_dir(case, tmp_path)
+        _COMPARED[case] = _findings(run_dir, workers=1), _findings(run_dir, scheduler=client)
+    return _COMPARED[case]
 
 
 def _findings(run_dir, **how) -> list[dict]:
@@ -122,32 +135,32 @@ def _findings(run_dir, **how) -> list[dict]:
 
 @pytest.mark.parametrize("case", [*BUILT, "many_ranks", "copies", "ddp_straggler", "ddp_hang"])
 def test_the_cluster_finds_what_the_local_path_finds(client, case, tmp_path):
-    run_dir = _run_dir(case, tmp_path)
-    local = _findings(run_dir, workers=1)
-    on_dask = _findings(run_dir, scheduler=client)
+    local, on_dask = _compared(case, client, tmp_path)
     assert on_dask == local
     assert case in ("healthy", "copies") or any(f["severity"] != "info" for f in local)  # (a case that shows something)
 
 
 def test_the_sketch_tree_of_several_levels_finds_the_straggler_the_local_path_finds(client, tmp_path, monkeypatch):
-    """Ranks sketched two a task and merged two at a time (a tree of three levels for 8 ranks):
-    the same findings as sorting every rank's values in one process."""
+    """Ranks sketched two a task and merged two at a time (5 ranks: leaves of 2, 2 and 1, merged
+    3 -> 2 -> 1, a tree of three levels with an uneven group at each): the same findings as
+    sorting every rank's values in one process."""
     from torchautopsy.analyzer import cluster_passes
 
     monkeypatch.setattr(cluster_passes, "LEAF", 2)
     monkeypatch.setattr(cluster_passes, "FAN", 2)
-    bs = [rank(r).attrs(world_size=8) for r in range(8)]
-    bs[5].set("steps/forward_s", 0.08, at=slice(120, None))
+    bs = [rank(r).attrs(world_size=5) for r in range(5)]
+    bs[4].set("steps/forward_s", 0.08, at=slice(120, None))
     for r, b in enumerate(bs):
         b.write(tmp_path, rank=r)
     local = _findings(tmp_path, workers=1)
-    assert [(f["rank"], f["step"]) for f in local if f["kind"] == "straggler"] == [(5, 120)]
+    assert [(f["rank"], f["step"]) for f in local if f["kind"] == "straggler"] == [(4, 120)]
     assert _findings(tmp_path, scheduler=client) == local
 
 
 def test_the_oom_case_tells_how_close_the_other_ranks_came_on_both_paths(client, tmp_path):
-    (oom,) = [f for f in _findings(_run_dir("oom", tmp_path), scheduler=client) if f["kind"] == "out_of_memory"]
-    assert oom["rank"] == 3 and oom["evidence"]["others_memory"]["closest_rank"] == 2
+    for found in _compared("oom", client, tmp_path):
+        (oom,) = [f for f in found if f["kind"] == "out_of_memory"]
+        assert oom["rank"] == 3 and oom["evidence"]["others_memory"]["closest_rank"] == 2
 
 
 def _fails_on_rank_2(trace, r, cfg=None):
