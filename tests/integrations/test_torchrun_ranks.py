@@ -1,8 +1,8 @@
 """Failures only a job of several ranks has, planted on one rank of a DDP job that torchrun
 launches (gloo on the CPU, a real DataLoader): a straggler (a slow loader on rank 2), a silent
 replica divergence (a weight nudged on rank 1), a hang (rank 1 stops before a collective, the job
-is ended by gloo's timeout) and a NaN in one rank's batch. The scenarios that end normally share
-one job (each from scratch, its own trace: torchrun_ranks.py), the hang has one of its own.
+is ended by gloo's timeout) and a NaN in one rank's batch. Every scenario runs in one job, each
+from scratch with its own trace (torchrun_ranks.py); the hang, which ends the job, runs last.
 
 Each test checks what the recorder wrote (read with h5py: the step-time split, the replica
 fingerprints, the heartbeat rows and their stacks), then what the real CLI finds in it."""
@@ -127,8 +127,8 @@ def read_run(run: Path, nproc: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def job() -> Job:
-    """One job of 3 ranks for every scenario that ends normally (~25 CPU-s; ~15 more a job each)."""
-    return torchrun("straggler,divergence,nan,backward_nan,backward_nan_fsdp", 3, limit_s=300)
+    """One job of 3 ranks for every scenario, the hang last (~25 CPU-s; ~15 more a job each)."""
+    return torchrun("straggler,divergence,nan,backward_nan,backward_nan_fsdp,hang", 3, limit_s=300)
 
 
 @pytest.mark.parametrize("scenario", ["backward_nan", "backward_nan_fsdp"])
@@ -167,9 +167,11 @@ def findings(run: Path, stragglers: bool = True) -> tuple[list[dict], str]:
 
 
 def _finished(job: Job, scenario: str, nproc: int) -> list[dict]:
-    """A job that ran to its end: every rank's trace of the scenario closed, with every step."""
-    assert job.returncode == 0, job.errors()
+    """A scenario that ran to its end: every rank's trace of it closed, with every step, and the
+    rank then went on to the next scenario (the job itself is ended by the hang, its last)."""
     assert job.ours() == []
+    for k in range(nproc):
+        assert (job.run(scenario).parent / f"out.rank{k}").exists(), job.errors()
     ranks = read_run(job.run(scenario), nproc)
     for r in ranks:
         assert r["attrs"]["closed"] and r["attrs"]["end_reason"] == "closed", r["attrs"].get("end_reason")
@@ -220,11 +222,10 @@ def test_divergence_rank_1_leaves_the_replicas_at_its_step_in_the_perturbed_para
     assert PERTURBED in div[0]["where"], div[0]
 
 
-def test_hang_rank_1_stops_before_its_forward_the_others_wait_in_backward_until_the_timeout():
+def test_hang_rank_1_stops_before_its_forward_the_others_wait_in_backward_until_the_timeout(job):
     """Rank 1 sleeps before the forward of step HANG; ranks 0 and 2 go into it and block in the
     gradient all-reduce of loss.backward() until gloo's timeout (TIMEOUT_S) raises there. They die
     of it, and torchrun then stops rank 1 (SIGTERM): the job is ended as a real one is."""
-    job = torchrun("hang", 3, limit_s=90)
     assert job.returncode != 0 and "Timed out" in job.stderr, job.errors()
     assert job.ours() == []
     ranks = read_run(job.run("hang"), 3)

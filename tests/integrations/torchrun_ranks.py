@@ -15,8 +15,8 @@ over a synthetic dataset split by a DistributedSampler.
   of PERTURBED: a silent replica divergence (DDP never broadcasts the parameters again).
 - hang (3 ranks): at step HANG, rank 1 stops before its forward (the line marked `# HANG`); the
   others go into step HANG and wait in the gradient all-reduce of loss.backward() (`# BACKWARD`)
-  until gloo's timeout (TIMEOUT_S) raises there; they die, and torchrun then stops rank 1 (so a job
-  of its own, or the last scenario of one).
+  until gloo's timeout (TIMEOUT_S, the timeout of the hang's own process group) raises there; they
+  die, and torchrun then stops rank 1 (so the last scenario of a job).
 - nan (3 ranks): a NaN in rank 1's batch of step BAD, put there by its collate_fn.
 - backward_nan (3 ranks): at step BAD, rank 2's loss gains a distance to an anchor taken at the
   weights themselves: sqrt(0) is 0 in the forward (every loss stays finite) and 0/0 in the
@@ -51,9 +51,12 @@ BAD = 6  # nan: rank 1's batch of this step holds a NaN
 HEARTBEAT_S = 0.5
 
 root, scenarios = sys.argv[1], sys.argv[2].split(",")
-# The hang's job is ended as a real one is: by the collectives' timeout. The others' timeout is
-# only there so that no mistake can leave a job waiting for long.
-dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S if "hang" in scenarios else 60))
+# The hang's job is ended as a real one is: by the collectives' timeout, TIMEOUT_S on the process
+# group of its DDP. The default group's timeout (the other scenarios', the barriers') is only there
+# so that no mistake can leave a job waiting for long; a short one could end a sound scenario on a
+# loaded machine.
+assert "hang" not in scenarios[:-1], "the hang ends the job: it can only be the last scenario"
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.set_num_threads(1)
 
@@ -106,6 +109,8 @@ for scenario in scenarios:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         ddp = fully_shard(model, mesh=mesh)
+    elif scenario == "hang":
+        ddp = DistributedDataParallel(model, process_group=dist.new_group(timeout=timedelta(seconds=TIMEOUT_S)))
     else:
         ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
