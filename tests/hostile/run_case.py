@@ -1,8 +1,10 @@
 """Run a fuzzing case's commands one after another in this one process (tests/hostile/run_cli.py
-starts it and checks the contract): each CLI command through the real entry point
-``torchautopsy.analyzer.cli.main`` (its exit code is its SystemExit), and ``python -c CODE ARGS``
-(the load() driver) as CODE executed with ``sys.argv`` set. Importing the analyzer costs a fresh
-interpreter 1.5-2 CPU-s; a case of six commands pays it once here instead of six times.
+forks it from runner_server.py, which calls main() as this script would, and checks the
+contract): each CLI command through the real entry point ``torchautopsy.analyzer.cli.main``
+(its exit code is its SystemExit), and ``python -c CODE ARGS`` (the load() driver) as CODE
+executed with ``sys.argv`` set. Importing the analyzer costs a fresh interpreter 1.5-2 CPU-s; a
+case of six commands pays it once here instead of six times, and a runner forked from the server
+not at all.
 
     python tests/hostile/run_case.py DIR
 

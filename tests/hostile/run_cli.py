@@ -1,10 +1,12 @@
 """Run the real CLI (and the load() API) on a trace and check issue 20's contract.
 
-A case's commands run one after another in one subprocess (run_case.py, through the CLI's real
-entry point), in its own process group; each command's peak memory is its own (the runner resets
-VmHWM before it and reads it after), the runner is polled for VmHWM and killed past KILL_RSS (a
-memory bomb must not take the machine down) or when a command runs past the time limit, and if it
-dies the command in flight is the one reported. The contract, for each command:
+A case's commands run one after another in one process (run_case.py's main, through the CLI's
+real entry point), forked from a server that imported the analyzer once (runner_server.py: the
+same process a fresh `python run_case.py` was, without its start), in its own process group;
+each command's peak memory is its own (the runner resets VmHWM before it and reads it after),
+the runner is polled for VmHWM and killed past KILL_RSS (a memory bomb must not take the machine
+down) or when a command runs past the time limit, and if it dies the command in flight is the one
+reported (a fresh runner takes the rest). The contract, for each command:
 
 - exit code 0 or 2 (no command here passes --fail-on, so 1 can only mean an uncaught error, and
   unusable input must be 2, never 1); exit 2 means exactly one non-empty line on stderr;
@@ -17,18 +19,20 @@ dies the command in flight is the one reported. The contract, for each command:
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
 import pickle
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.hostile.runner_server import RunnerServer
 
 TIME_LIMIT_S = 60
 RSS_LIMIT = 1 << 30
@@ -134,7 +138,24 @@ class Run:
         return "\n".join((self.err.strip() or self.out.strip()).splitlines()[-n:])
 
 
-RUNNER = Path(__file__).with_name("run_case.py")
+_SERVER: RunnerServer | None = None
+
+
+def runner_server() -> RunnerServer:
+    """This process's runner server, started at its first case (closed by close_runner_server,
+    or at exit)."""
+    global _SERVER
+    if _SERVER is None or not _SERVER.alive():
+        _SERVER = RunnerServer(ENV)
+        atexit.register(close_runner_server)
+    return _SERVER
+
+
+def close_runner_server() -> None:
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER, server = None, _SERVER
+        server.close()
 
 
 def _vm_hwm(pid: int) -> int:
@@ -174,10 +195,7 @@ def _one_runner(cmds, cwd, timeout: float) -> list[Run]:
     with tempfile.TemporaryDirectory(prefix="hostile-case-") as tmp:
         d = Path(tmp)
         (d / "spec.json").write_text(json.dumps([{"label": c[0], "argv": list(map(str, c[1]))} for c in cmds]))
-        with open(d / "runner.err", "wb") as runner_err:
-            p = subprocess.Popen([sys.executable, str(RUNNER), str(d)], stdout=runner_err, stderr=runner_err,
-                                 stdin=subprocess.DEVNULL, cwd=cwd, env=ENV,
-                                 start_new_session=True)  # its own process group: a kill takes what it started
+        p = runner_server().start(d, cwd)  # its own process group: a kill takes what it started
         t0 = time.monotonic()
         current, t_current, polled, killed = None, t0, 0, None
         while p.poll() is None:
@@ -214,8 +232,9 @@ def _one_runner(cmds, cwd, timeout: float) -> list[Run]:
 
 def run_case(cmds, cwd, timeout: float = TIME_LIMIT_S) -> list[Run]:
     """Run a case's commands ((label, argv, files) as commands() gives them) one after another in
-    one process (run_case.py: an interpreter and the analyzer's import once a case, not once a
-    command), and check each against the contract. If the runner dies, the command in flight is
+    one process (run_case.py's main in a runner forked from runner_server(): the analyzer's
+    import once a test process, not once a case nor a command), and check each against the
+    contract. If the runner dies, the command in flight is
     reported and a fresh runner takes the rest."""
     runs: list[Run] = []
     while len(runs) < len(cmds):

@@ -1,10 +1,12 @@
 """Damaged and hostile traces (issue 20): a seeded, bounded fuzzing campaign over real sample
-traces, run through the real CLI and load() in a subprocess.
+traces, run through the real CLI and load() in a process of their own.
 
 Each case is one mutation class with one seed (tests/hostile/mutations.py) and a few commands, run
-one after another in one subprocess (tests/hostile/run_case.py; tests/hostile/run_cli.py checks the contract: exit 0 or 2, one line on exit 2, no traceback,
-no raw control characters, no unescaped markup, at most 60 s and 1 GiB): one seed a class, and
-the cases the issue names, 28 cases. More seeds: TORCHAUTOPSY_FUZZ_SEEDS=0,1,2,3 pytest ...; the
+one after another in one process (tests/hostile/run_case.py's main, in a runner forked from
+tests/hostile/runner_server.py, which imported the analyzer once; tests/hostile/run_cli.py checks
+the contract: exit 0 or 2, one line on exit 2, no traceback, no raw control characters, no
+unescaped markup, at most 60 s and 1 GiB): one seed a class, and the cases the issue names, 28
+cases. More seeds: TORCHAUTOPSY_FUZZ_SEEDS=0,1,2,3 pytest ...; the
 full campaign with a table of counts: python -m tests.hostile.campaign.
 """
 
@@ -18,7 +20,7 @@ import sys
 import pytest
 
 from tests.hostile.mutations import LONG_INT, MUTATIONS, SCRIPT, kind_of, make_trial, seed_for
-from tests.hostile.run_cli import commands, run, run_case
+from tests.hostile.run_cli import close_runner_server, commands, run, run_case
 
 SEEDS = [int(s) for s in os.environ.get("TORCHAUTOPSY_FUZZ_SEEDS", "0").split(",")]
 # The cases issue 20 measured, by name (each is a seed: the seed picks a class's variant).
@@ -32,6 +34,14 @@ IDS = [f"{c}-{s}-{re.sub(r'[^A-Za-z0-9_#/.-]', '_', kind_of(c, s)[:20])}" for c,
 # Classes whose damage is text a report shows: their HTML report is checked too (HTML costs
 # seconds a run, so the other classes write JSON and Markdown only).
 MARKUP = {"control", "hostile_names", "attrs", "json_texts", "memory"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runner_server():
+    """The runners' server (run_cli.runner_server, started at the first case) closed and reaped
+    with this module: its runners' CPU then counts in this process's."""
+    yield
+    close_runner_server()
 
 
 def which(cls: str, seed: int) -> tuple[str, ...]:
