@@ -1,7 +1,8 @@
 """Shared test helpers: run the CLI as a subprocess (run_cli: the real process, its exit status,
-an interpreter where torch cannot be imported) or in this process (invoke_cli: ~1.3 CPU-s less a
+an interpreter where torch cannot be imported), in this process (invoke_cli: ~1.3 CPU-s less a
 call, the interpreter's start and the analyzer's imports, for tests about what a command says
-or writes)."""
+or writes), or many commands in one bounded child (BoundedCLI: a memory limit, a timeout that
+kills a hang, a crash kept out of the test process)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,73 @@ def rank_copies(run, n_ranks: int, sample: str = "healthy_mlp"):
         with h5py.File(run / f"rank{r}.h5", "r+") as f:
             f.attrs["rank"], f.attrs["world_size"] = r, n_ranks
     return run
+
+
+_SERVE = r"""
+import json, os, resource, sys
+mem_bytes, block_torch = int(sys.argv[1]), sys.argv[2] == "1"
+if block_torch:
+    sys.modules["torch"] = None  # any import of torch now raises ImportError
+if mem_bytes:
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    except (ValueError, OSError):
+        pass
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray write to fd 1 would garble the replies
+from tests.helpers import invoke_cli
+for line in sys.stdin:
+    args, env = json.loads(line)
+    r = invoke_cli(*args, env=env)
+    replies.write(json.dumps([r.returncode, r.stdout, r.stderr]) + "\n")
+    replies.flush()
+"""
+
+
+class BoundedCLI:
+    """`torchautopsy ARGS...` in one child process (where torch cannot be imported with
+    ``block_torch``, and that may not map more than ``mem_bytes``: Linux's RLIMIT_AS), each command
+    given at most ``timeout`` seconds: the child is killed past it, as a hang in C code is, and a
+    crash of the child is that command's. The bounds of a process, with its interpreter's start and
+    the analyzer's imports paid once for many commands. A call (``env``: set for that command)
+    returns what run_cli returns and the command's wall time; if the child died, its exit status
+    and stderr; the next call starts a new child."""
+
+    def __init__(self, mem_bytes: int = 0, block_torch: bool = False, timeout: float = 60):
+        self.mem_bytes, self.block_torch, self.timeout, self.proc = mem_bytes, block_torch, timeout, None
+
+    def __call__(self, *args, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+        import json
+        import select
+        import tempfile
+        import time
+
+        if self.proc is None or self.proc.poll() is not None:
+            self.err = tempfile.TemporaryFile()
+            flags = [str(self.mem_bytes), "1" if self.block_torch else "0"]
+            self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, *flags], cwd=REPO, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
+        argv = [str(a) for a in args]
+        t0 = time.monotonic()
+        try:
+            self.proc.stdin.write(json.dumps([argv, env or {}]) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died starting: told below
+            pass
+        if not select.select([self.proc.stdout], [], [], self.timeout)[0]:
+            self.close()
+            raise subprocess.TimeoutExpired(argv, self.timeout)
+        line = self.proc.stdout.readline()
+        seconds = time.monotonic() - t0
+        if not line:  # the child died (a crash, or an exception out of main)
+            code = self.proc.wait()
+            self.err.seek(0)
+            return subprocess.CompletedProcess(argv, code, "", self.err.read().decode()), seconds
+        code, out, err = json.loads(line)
+        return subprocess.CompletedProcess(argv, code, out, err), seconds
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None

@@ -4,7 +4,7 @@ through a symbolic link, never half-written (the rule for existing files: test_o
 CLI runs on copies of real traces (sample_traces/, and runs recorded here with CUDA memory
 snapshots fed through the recorder's own conversion, as tests/cli/test_memory_snapshot.py does):
 in this process (tests.helpers.invoke_cli), except where the real process is the point (a limit
-on its memory and its time: run_bounded).
+on its memory and its time: run_bounded, one child process for all such commands).
 """
 
 import gzip
@@ -12,11 +12,9 @@ import hashlib
 import io
 import os
 import pickle
-import resource
 import shutil
 import subprocess
 import sys
-import time
 
 import h5py
 import numpy as np
@@ -24,7 +22,7 @@ import pytest
 
 from tests.cli.test_bad_input import assert_one_line_error
 from tests.cli.test_memory_snapshot import documented_snapshot, record_with
-from tests.helpers import SAMPLES, invoke_cli
+from tests.helpers import SAMPLES, BoundedCLI, invoke_cli
 
 
 class RefuseGlobals(pickle.Unpickler):
@@ -69,19 +67,13 @@ def snap_copy(snap_run, tmp_path):
     return tmp_path / "run"
 
 
-def run_bounded(*args, mem_bytes=2**30, timeout=60):
-    """The CLI in a process that may not map more than ``mem_bytes`` (Linux), and its wall time."""
-    def limit():
-        try:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-        except (ValueError, OSError):
-            pass
-
-    code = "import sys\nsys.modules['torch'] = None\nfrom torchautopsy.analyzer.cli import main\nmain(sys.argv[1:])\n"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, preexec_fn=limit)
-    return r, time.monotonic() - t0
+@pytest.fixture(scope="module")
+def run_bounded():
+    """The CLI in a process that may not map more than 1 GiB (Linux), killed past 60 s a command:
+    one such process for the module's commands (their bounds are the process's, not its start)."""
+    cli = BoundedCLI(mem_bytes=2**30, block_torch=True, timeout=60)
+    yield cli
+    cli.close()
 
 
 # -- where outputs go ----------------------------------------------------------------------------
@@ -184,7 +176,7 @@ BLOBS = {"compression bomb": lambda: gzip.compress(b"{" + b" " * (200 * 2**20)),
 
 
 @pytest.mark.parametrize("needle", list(BLOBS))
-def test_a_write_that_fails_half_way_leaves_the_old_file(run, tmp_path, needle):
+def test_a_write_that_fails_half_way_leaves_the_old_file(run_bounded, run, tmp_path, needle):
     _append_blob(run / "rank0.h5", BLOBS[needle]())
     out = tmp_path / "t.json"
     out.write_text("previous export")
@@ -194,7 +186,7 @@ def test_a_write_that_fails_half_way_leaves_the_old_file(run, tmp_path, needle):
     assert seconds < 30
 
 
-def test_a_profile_window_outside_the_blobs_is_refused_before_reading(run, tmp_path):
+def test_a_profile_window_outside_the_blobs_is_refused_before_reading(run_bounded, run, tmp_path):
     with h5py.File(run / "rank0.h5", "r+") as f:
         f["profile_windows/trace_nbytes"][0] = 2**40
     r, _ = run_bounded("export", run, "--profile", tmp_path / "t.json")
@@ -210,7 +202,7 @@ def test_a_profile_window_outside_the_blobs_is_refused_before_reading(run, tmp_p
     ("tensors/offset", None, ("--tensors", "last"), "add up to more bytes"),  # rows overlap
     ("snapshots/nbytes", 2**40, ("--params", "last"), "past the end of snapshots/bytes"),  # the slot
 ])
-def test_stored_tensor_places_are_checked_before_reading(run, tmp_path, column, value, args, needle):
+def test_stored_tensor_places_are_checked_before_reading(run_bounded, run, tmp_path, column, value, args, needle):
     with h5py.File(run / "rank0.h5", "r+") as f:
         if value is None:  # every row in the blobs names all of blobs/bytes
             for i, loc in enumerate(f["tensors/location"][()]):
@@ -224,7 +216,7 @@ def test_stored_tensor_places_are_checked_before_reading(run, tmp_path, column, 
     assert seconds < 30 and not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_5000_digit_integer_in_the_black_box_detail_is_skipped(tmp_path):
+def test_a_5000_digit_integer_in_the_black_box_detail_is_skipped(run_bounded, tmp_path):
     shutil.copytree(SAMPLES / "nan_birth", tmp_path / "run")
     with h5py.File(tmp_path / "run" / "rank0.h5", "r+") as f:
         f["blackbox/detail"][0] = '{"values": {"loss": ' + "9" * 5000 + "}}"
@@ -265,7 +257,7 @@ def test_plain_converts_numpy_and_refuses_other_objects():
         plain(deep)
 
 
-def test_a_count_of_2_40_device_histories_is_refused_without_allocating(snap_copy, tmp_path):
+def test_a_count_of_2_40_device_histories_is_refused_without_allocating(run_bounded, snap_copy, tmp_path):
     with h5py.File(snap_copy / "rank0.h5", "r+") as f:
         n = f["memory_snapshots/n_device_traces"].shape[0]
         del f["memory_snapshots/n_device_traces"]
@@ -277,7 +269,7 @@ def test_a_count_of_2_40_device_histories_is_refused_without_allocating(snap_cop
 
 @pytest.mark.parametrize("field", ["memory_snapshots/extra", "memory_snapshots/allocator_settings",
                                    "memory_frames/extra"])
-def test_a_5000_digit_integer_in_a_json_field_is_skipped(snap_copy, tmp_path, field):
+def test_a_5000_digit_integer_in_a_json_field_is_skipped(run_bounded, snap_copy, tmp_path, field):
     with h5py.File(snap_copy / "rank0.h5", "r+") as f:
         f[field][0] = '{"huge": ' + "9" * 5000 + "}"
     out = tmp_path / "s.pickle"
@@ -289,7 +281,7 @@ def test_a_5000_digit_integer_in_a_json_field_is_skipped(snap_copy, tmp_path, fi
     assert back == want and seconds < 30
 
 
-def test_overlapping_stacks_are_refused(snap_copy, tmp_path):
+def test_overlapping_stacks_are_refused(run_bounded, snap_copy, tmp_path):
     """Stacks are disjoint runs of frames; overlapping ones would let a small file expand into a
     snapshot of (entries x frames) dicts."""
     with h5py.File(snap_copy / "rank0.h5", "r+") as f:
