@@ -106,16 +106,21 @@ def assert_one_line_error(r, *needles):
 
 # -- python -m torchautopsy --------------------------------------------------------------------------
 def test_python_m_is_the_command_itself():
-    script = Path(sys.executable).parent / "torchautopsy"
-    for args in (("analyze", NAN, "--fail-on", "error"), ("info", NAN), ("analyze", REPO / "no_such_run")):
-        m = module(*args)
-        if script.exists():
-            s = subprocess.run([str(script), *map(str, args)], capture_output=True, text=True, timeout=120,
-                               env=environ(), cwd=REPO)
-        else:
-            s = run_cli(*args)
+    """``python -m torchautopsy`` prints and exits (0, 1 for --fail-on, 2 for an error) as main()
+    does in this process, and as the console script does (one run: both call the same main)."""
+    fail = ("analyze", NAN, "--fail-on", "error")
+    runs = {args: module(*args) for args in (fail, ("info", NAN), ("analyze", REPO / "no_such_run"))}
+    for args, m in runs.items():
+        s = piped(*args, cwd=REPO)
         assert (m.returncode, m.stdout, m.stderr) == (s.returncode, s.stdout, s.stderr)
-    assert m.returncode == 2 and module("analyze", NAN, "--fail-on", "error").returncode == 1
+    assert [m.returncode for m in runs.values()] == [1, 0, 2]  # as the shell sees them
+    script = Path(sys.executable).parent / "torchautopsy"
+    if script.exists():
+        s = subprocess.run([str(script), *map(str, fail)], capture_output=True, text=True, timeout=120,
+                           env=environ(), cwd=REPO)
+    else:
+        s = run_cli(*fail)
+    assert (runs[fail].returncode, runs[fail].stdout, runs[fail].stderr) == (s.returncode, s.stdout, s.stderr)
     help_ = module("--help")
     assert help_.returncode == 0 and help_.stdout.startswith("Usage: torchautopsy [OPTIONS] COMMAND")
     assert "analyze" in help_.stdout and "info" in help_.stdout and "export" in help_.stdout
