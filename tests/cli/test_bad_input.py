@@ -1,15 +1,16 @@
 """Every kind of unusable input: one line on stderr saying what is wrong, exit 2, no traceback.
 
-A damaged or blocking file is given to the real process (run_cli: h5py's C code may crash or
-hang on it, and a timeout bounds it); wrong usage and paths that are not traces are refused
-before any file is read, in this process (invoke_cli)."""
+A damaged or blocking file is given to a real process (h5py's C code may crash or hang on it, and
+a timeout bounds it): one child process for all such commands (tests.helpers.BoundedCLI: a crash
+is the command's, a hang is killed, and the next command gets a new child); wrong usage and paths
+that are not traces are refused before any file is read, in this process (invoke_cli)."""
 
 import shutil
 
 import h5py
 import pytest
 
-from tests.helpers import SAMPLES, invoke_cli, run_cli
+from tests.helpers import SAMPLES, BoundedCLI, invoke_cli
 
 
 def assert_one_line_error(r, *needles):
@@ -20,6 +21,13 @@ def assert_one_line_error(r, *needles):
     assert lines[0].startswith("Error: ")
     for n in needles:
         assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def real_process():
+    cli = BoundedCLI(timeout=60)
+    yield lambda *args, **env: cli(*args, env=env)[0]
+    cli.close()
 
 
 @pytest.mark.parametrize("command", ["analyze", "info"])
@@ -38,11 +46,11 @@ def test_not_hdf5(tmp_path):
 
 
 @pytest.mark.parametrize("keep", [0, 5, 4096, 0.5])
-def test_truncated(tmp_path, keep):
+def test_truncated(real_process, tmp_path, keep):
     data = (SAMPLES / "healthy_mlp" / "rank0.h5").read_bytes()
     n = int(len(data) * keep) if isinstance(keep, float) else keep
     (tmp_path / "rank0.h5").write_bytes(data[:n])
-    r = run_cli("analyze", tmp_path, timeout=60)
+    r = real_process("analyze", tmp_path)
     assert_one_line_error(r, "rank0.h5")
     assert "truncated" in r.stderr or "corrupt" in r.stderr
 
@@ -77,17 +85,17 @@ def test_unwritable_output(tmp_path):
 
 @pytest.mark.parametrize("command", ["analyze", "info"])
 @pytest.mark.parametrize("given", ["run", "file"])
-def test_a_fifo_named_like_a_trace_is_refused_at_once(tmp_path, command, given):
+def test_a_fifo_named_like_a_trace_is_refused_at_once(real_process, tmp_path, command, given):
     """Issue 38 (3): opening a named pipe blocks until a writer comes, forever: it is refused
     before it is opened (the CLI's timeout of 120 s would fail this test otherwise)."""
     import os
 
     os.mkfifo(tmp_path / "rank0.h5")
-    r = run_cli(command, tmp_path if given == "run" else tmp_path / "rank0.h5", timeout=60)
+    r = real_process(command, tmp_path if given == "run" else tmp_path / "rank0.h5")
     assert_one_line_error(r, "is not a regular file", "named pipe")
 
 
-def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(tmp_path):
+def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(real_process, tmp_path):
     """Issue 38 (4): a directory named rank0.attempt2.h5 beside an intact rank0.h5 failed the whole
     analysis; now it is an unreadable file, and the good rank is analyzed."""
     import json
@@ -96,7 +104,7 @@ def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(tmp_
     shutil.copy(SAMPLES / "nan_birth" / "rank0.h5", tmp_path / "rank0.h5")
     (tmp_path / "rank0.attempt2.h5").mkdir()
     os.mkfifo(tmp_path / "rank1.h5")
-    r = run_cli("analyze", tmp_path, "--json", tmp_path / "f.json", timeout=60)
+    r = real_process("analyze", tmp_path, "--json", tmp_path / "f.json")
     assert r.returncode == 0, r.stderr
     found = json.loads((tmp_path / "f.json").read_text())["findings"]
     assert [f["step"] for f in found if f["kind"] == "nonfinite"] == [60]
@@ -105,7 +113,7 @@ def test_a_directory_or_fifo_beside_a_good_rank_file_is_that_file_s_problem(tmp_
 
 
 @pytest.mark.parametrize("command", ["info", "analyze"])
-def test_a_file_hdf5_would_decode_forever_is_refused_in_bounded_time(tmp_path, monkeypatch, command):
+def test_a_file_hdf5_would_decode_forever_is_refused_in_bounded_time(real_process, tmp_path, command):
     """Issue 38 (3): 512 zero bytes at this offset of a shipped sample make HDF5's global-heap
     decoder loop forever in C, where no Python timeout reaches. Each file is decoded first in a
     child process with a deadline (analyzer/trace/probe.py), here cut to 3 s."""
@@ -114,8 +122,7 @@ def test_a_file_hdf5_would_decode_forever_is_refused_in_bounded_time(tmp_path, m
     data = bytearray((SAMPLES / "exploding_cnn" / "rank0.h5").read_bytes())
     data[706325:706325 + 512] = bytes(512)
     (tmp_path / "rank0.h5").write_bytes(bytes(data))
-    monkeypatch.setenv("TORCHAUTOPSY_READ_DEADLINE_S", "3")
     t0 = time.monotonic()
-    r = run_cli(command, tmp_path, timeout=60)
+    r = real_process(command, tmp_path, TORCHAUTOPSY_READ_DEADLINE_S="3")
     assert time.monotonic() - t0 < 30
     assert_one_line_error(r, "did not finish within 3 s", "copy it again")
