@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 FEATURES = '''\
 import torch
@@ -74,7 +74,7 @@ def test_a_nan_born_in_a_modules_forward_names_that_forward_and_its_class(jobs, 
     assert r.returncode == 0, r.stderr
 
     out = tmp_path / "f.json"
-    cli = run_cli("analyze", tmp_path / "run", "--json", out, block_torch=True)
+    cli = invoke_cli("analyze", tmp_path / "run", "--json", out, block_torch=True)
     assert cli.returncode == 0, cli.stderr
     findings = json.loads(out.read_text())["findings"]
     bad = [f for f in findings if f["kind"] == "nonfinite"][0]

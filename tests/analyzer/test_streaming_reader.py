@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from torchautopsy.analyzer.trace import block_rows, load
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, invoke_cli
 
 STEPS, PARAMS, MODULES, EXPLODE_AT = 50_000, 200, 20, 45_000
 
@@ -126,7 +126,7 @@ def test_activity_windows_stream_every_window(long_trace):
 
 def test_cli_finds_the_explosion_in_the_long_trace(long_trace, tmp_path):
     out = tmp_path / "f.json"
-    r = run_cli("analyze", long_trace, "--json", out, "--html", tmp_path / "r.html", timeout=300)
+    r = invoke_cli("analyze", long_trace, "--json", out, "--html", tmp_path / "r.html")
     assert r.returncode == 0, r.stderr
     found = {f["kind"]: f for f in json.loads(out.read_text())["findings"]}
     assert found["nonfinite"]["step"] == EXPLODE_AT + 300

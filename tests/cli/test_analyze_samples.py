@@ -1,6 +1,7 @@
 """Each shipped sample trace gives its expected finding through the CLI (in this process, torch
-hidden: tests.helpers.invoke_cli); healthy gives none. The exit codes and `info` without torch
-run the real process."""
+hidden: tests.helpers.invoke_cli); healthy gives none. `info` without torch runs the real process;
+the exit codes are main()'s, in this process (a real process's exit codes 0, 1 and 2, as the shell
+sees them: tests/cli/test_cli_conventions.py::test_python_m_is_the_command_itself)."""
 
 import json
 
@@ -44,9 +45,8 @@ def test_sample_trace(case, tmp_path):
 
 def test_fail_on_sets_exit_code(tmp_path):
     bad = SAMPLES / "nan_birth"
-    assert run_cli("analyze", bad).returncode == 0  # default: never fail
-    assert run_cli("analyze", bad, "--fail-on", "error").returncode == 1
-    # (the exit codes of a real process above; the thresholds in process)
+    assert invoke_cli("analyze", bad).returncode == 0  # default: never fail
+    assert invoke_cli("analyze", bad, "--fail-on", "error").returncode == 1
     assert invoke_cli("analyze", bad, "--fail-on", "warning").returncode == 1
     assert invoke_cli("analyze", SAMPLES / "vanishing_sigmoid", "--fail-on", "error").returncode == 0
     assert invoke_cli("analyze", SAMPLES / "vanishing_sigmoid", "--fail-on", "warning").returncode == 1

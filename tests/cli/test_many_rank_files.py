@@ -3,15 +3,16 @@ rank files gave no output within 60 s). Opening the files is a fixed cost a file
 in a child process with a deadline, then opened), paid before anything can be printed: the bar on
 stderr says how far it is, for ``info`` as for ``analyze``, and the results still name every rank.
 
-Real CLI runs on copies of a real trace (sample_traces/healthy_mlp), each given its own rank as the
-recorder writes it under DDP (the ``rank`` and ``world_size`` attributes).
+Real CLI runs (in this process: tests.helpers.invoke_cli) on copies of a real trace
+(sample_traces/healthy_mlp), each given its own rank as the recorder writes it under DDP (the
+``rank`` and ``world_size`` attributes).
 """
 
 import json
 
 import pytest
 
-from tests.helpers import rank_copies, run_cli
+from tests.helpers import invoke_cli, rank_copies
 
 N_RANKS = 6
 
@@ -25,7 +26,7 @@ def many(tmp_path_factory):
 def test_opening_the_rank_files_shows_progress(many, tmp_path, command, monkeypatch):
     monkeypatch.setenv("TORCHAUTOPSY_PROGRESS", "1")
     args = [command, many] + (["--json", tmp_path / "f.json"] if command == "analyze" else [])
-    r = run_cli(*args)
+    r = invoke_cli(*args)
     assert r.returncode == 0, r.stderr
     assert f"rank files checked: {N_RANKS} of {N_RANKS}" in r.stderr, r.stderr
     assert "rank files opened:" in r.stderr, r.stderr

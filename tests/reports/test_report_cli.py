@@ -1,4 +1,6 @@
-"""`torchautopsy analyze --html --pdf --md [--open]`: every report in one pass, through the real CLI."""
+"""`torchautopsy analyze --html --pdf --md [--open]`: every report in one pass, through the real CLI:
+in a fresh interpreter where torch cannot be imported for the one pass (the reports need no torch),
+in this process (tests.helpers.invoke_cli) for the rest."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import sys
 
 from reports_testlib import SAMPLES, pdf_pages_text, sample_cases, squeeze
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli, run_cli
 
 
 def test_html_pdf_md_and_json_in_one_pass_without_torch(tmp_path):
@@ -32,7 +34,7 @@ def test_html_pdf_md_and_json_in_one_pass_without_torch(tmp_path):
 
 
 def test_unwritable_pdf_is_one_line_before_the_analysis(tmp_path):
-    r = run_cli("analyze", SAMPLES / "healthy_mlp", "--pdf", tmp_path / "no" / "such" / "dir.pdf")
+    r = invoke_cli("analyze", SAMPLES / "healthy_mlp", "--pdf", tmp_path / "no" / "such" / "dir.pdf")
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: cannot write") and "dir.pdf" in lines[0]
@@ -45,7 +47,8 @@ def test_open_hands_the_html_to_the_browser_and_progress_shows_when_asked(health
     browser = f"{sys.executable} -c \"import sys; open(r'{opened}', 'w').write(sys.argv[1])\" %s"
     monkeypatch.setenv("BROWSER", browser)
     monkeypatch.setenv("TORCHAUTOPSY_PROGRESS", "1")
-    r = run_cli("analyze", healthy_dir, "--open")
+    # (webbrowser reads $BROWSER at its first use in a process: here, the suite's only --open)
+    r = invoke_cli("analyze", healthy_dir, "--open")
     assert r.returncode == 0, r.stderr
     written = [ln.removeprefix("wrote ") for ln in r.stdout.splitlines() if ln.startswith("wrote ")]
     assert len(written) == 1 and written[0].endswith(".html")  # no --html: a temporary file

@@ -186,10 +186,11 @@ def test_out_of_memory_on_one_rank_says_how_close_the_others_came(tmp_path):
 
 def test_hostile_heartbeats_and_fingerprints_are_data_not_a_crash(tmp_path):
     """Rows no recorder writes (times and steps past any clock, a stack that is not one, JSON
-    nested 5,000 deep, fingerprints of the wrong width): the real CLI reads on, no traceback."""
+    nested 5,000 deep, fingerprints of the wrong width): the real CLI (in this process, torch hidden)
+    reads on, no traceback."""
     import h5py
 
-    from tests.helpers import run_cli
+    from tests.helpers import invoke_cli
 
     for r in range(2):
         b = rank(r, steps=30).attrs(world_size=2, closed=False, end_reason="")
@@ -203,7 +204,7 @@ def test_hostile_heartbeats_and_fingerprints_are_data_not_a_crash(tmp_path):
     with h5py.File(tmp_path / "rank1.h5", "a") as f:
         del f["fingerprints/bits"]
         f["fingerprints/bits"] = np.zeros((3, 2), dtype=np.int64)
-    r = run_cli("analyze", tmp_path, "--json", tmp_path / "f.json", "--html", tmp_path / "r.html", block_torch=True)
+    r = invoke_cli("analyze", tmp_path, "--json", tmp_path / "f.json", "--html", tmp_path / "r.html", block_torch=True)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     import json
     kinds = [f["kind"] for f in json.loads((tmp_path / "f.json").read_text())["findings"]]
