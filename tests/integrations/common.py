@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.recorder.recorder_testlib import Net
 
 BAD_STEP = 7  # not a watched step (0, 10, 20, ...): the recorder replays it to find the module
@@ -36,9 +36,10 @@ def run_dir() -> Path:
 
 
 def analyze(run: Path) -> list[dict]:
-    """`torchautopsy analyze RUN --json OUT` in a fresh interpreter without torch, as on a laptop."""
+    """`torchautopsy analyze RUN --json OUT` with torch hidden, as on a laptop (in this process: the
+    CLI's imports without torch are proved in a fresh interpreter by tests/reports/test_report_cli.py)."""
     out = run.parent / "findings.json"
-    r = run_cli("analyze", run, "--json", out, block_torch=True)
+    r = invoke_cli("analyze", run, "--json", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     return json.loads(out.read_text())["findings"]
 

@@ -382,7 +382,7 @@ class PythonCountedNaN(nn.Module):
 
 
 def test_unreproducible_nan_is_reported_as_unchecked_not_blamed_on_the_loss(tmp_path):
-    from tests.helpers import run_cli
+    from tests.helpers import invoke_cli
 
     torch.manual_seed(0)
     _train(PythonCountedNaN(), tmp_path / "run", NAN_STEP + 2)
@@ -390,7 +390,7 @@ def test_unreproducible_nan_is_reported_as_unchecked_not_blamed_on_the_loss(tmp_
         assert f["steps/nonfinite_origin"][NAN_STEP] == -1
         assert "not reproduced" in f["blackbox/detail"][0].decode()
     out = tmp_path / "f.json"
-    r = run_cli("analyze", tmp_path / "run", "--json", out)
+    r = invoke_cli("analyze", tmp_path / "run", "--json", out)
     assert r.returncode == 0, r.stderr
     f = next(x for x in json.loads(out.read_text())["findings"] if x["kind"] == "nonfinite")
     assert f["step"] == NAN_STEP and f["evidence"]["stage"] == "unchecked"
@@ -415,7 +415,7 @@ def _rng_run(run_dir, nan_step, dropout_from=None):
     Returns the RNG state at each step's first forward, and the black box's tensors and detail."""
     from safetensors.torch import load_file
 
-    from tests.helpers import run_cli
+    from tests.helpers import invoke_cli
 
     torch.manual_seed(0)
     model = DropoutLater(nan_step)
@@ -430,7 +430,7 @@ def _rng_run(run_dir, nan_step, dropout_from=None):
     train(model, run_dir, nan_step + 2, _batch, before_step=before_step, histogram_every=0, sample_every=0,
           snapshot_every=0)  # SGD, lr 0.01
     out = run_dir.parent / "blackbox.safetensors"
-    r = run_cli("export", run_dir, "--tensors", "blackbox", out, block_torch=True)
+    r = invoke_cli("export", run_dir, "--tensors", "blackbox", out, block_torch=True)
     assert r.returncode == 0, r.stderr
     with open_trace(run_dir / "rank0.h5") as f:
         detail = json.loads(f["blackbox/detail"][0].decode())

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import torchautopsy
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 from tests.training import squared_error, train
 
 
@@ -101,7 +101,7 @@ def test_gradscaler_startup_skips_are_not_failures(tmp_path):
     assert (rt.steps["lr"].to_numpy() == 0.003).all()
     assert len(rt.blackbox) == 0  # the scaler's skips fire nothing
     out = tmp_path / "f.json"
-    r = run_cli("analyze", str(tmp_path), "--json", str(out), "--fail-on", "warning")
+    r = invoke_cli("analyze", str(tmp_path), "--json", str(out), "--fail-on", "warning")
     findings = json.loads(out.read_text())["findings"]
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert not [f for f in findings if f["severity"] in ("warning", "error")]
@@ -112,7 +112,7 @@ def test_collapsing_loss_scale_is_a_finding(tmp_path):
     after step and its scale falls below 1."""
     stepped, scales, _ = _fp16_run(tmp_path, 0.3, 60)
     out = tmp_path / "f.json"
-    run_cli("analyze", str(tmp_path), "--json", str(out))
+    invoke_cli("analyze", str(tmp_path), "--json", str(out))
     found = [f for f in json.loads(out.read_text())["findings"] if f["kind"] == "loss_scale_collapse"]
     assert len(found) == 1, found
     f = found[0]

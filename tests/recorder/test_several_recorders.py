@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchautopsy import Recorder, load
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli
 
 STEPS = 24
 
@@ -118,7 +118,7 @@ def test_two_models_two_recorders_take_turns_at_the_profiler(jobs, root):
     note = traces["gen"].meta.get("profile_note", "")
     assert "deferred" in note and "another" in note, note
     for name in ("gen", "disc"):
-        a = run_cli("analyze", root / name)
+        a = invoke_cli("analyze", root / name)
         assert a.returncode in (0, 1), (name, a.returncode, a.stdout[-2000:], a.stderr[-2000:])
 
 
