@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config
 from torch import nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
@@ -102,6 +103,16 @@ def run(make=make_mlp, order="before", record=True, steps=STEPS, shape=(16, 32),
             if ("torchautopsy" in str(w.message) or w.filename.startswith(RECORDER_DIR))
             and (census or "data pointer of FakeTensor" not in str(w.message))]
     return torch.stack(losses), graphs, run_dir, ours
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_precompiled_header():
+    """Inductor precompiles its C++ kernels' header (~7 CPU-s of g++) into a directory fixed when
+    it is imported: under this session's temporary directory, so every session built it again,
+    though the kernels themselves come from the persistent cache. Without it the kernels are
+    the same code, compiled the same (only their build is slower, when one is not cached)."""
+    with torch._inductor.config.patch(cpp_cache_precompile_headers=False):
+        yield
 
 
 _baselines: dict = {}
