@@ -145,12 +145,30 @@ class PdfDoc(FPDF):
         w, h = fig.width_in * 25.4, fig.height_in * 25.4
         return (self.epw, h * self.epw / w) if w > self.epw else (w, h)
 
+    def _height_at_most(self, text: str, size: float) -> float | None:
+        """A bound on the height ``_text`` would take, in mm, from the widths of ``text`` and its
+        longest word alone (linear, where fpdf2's line breaking is quadratic in a line's length);
+        None where words are too long for it to be tight. Every wrapped line is filled to within
+        a space and a word of the width, so a paragraph takes at most width / (that) + 1 lines
+        (one line more kept for rounding)."""
+        self._font("sans", "", size)
+        room = self.w - self.r_margin - self.x - 2 * self.c_margin
+        slack = room - self.get_string_width(" ") - max(map(self.get_string_width, text.split() or [""]))
+        if slack < room / 2:
+            return None
+        lines = sum(int(self.get_string_width(p) / slack) + 1 for p in text.split("\n")) + 1
+        return lines * size * 0.48
+
     def _figure(self, fig: Figure) -> None:
-        caption_h = self._height(fig.caption, 7.8) + 3
         if fig.png:
             w, h = self._figure_size(fig)
-            if self.will_page_break(h + caption_h + (6 if fig.title else 0)):
-                self.add_page()
+            # The exact caption's height (a dry run of its line breaking) only where the bound
+            # does not already show that the figure and caption fit on this page.
+            title_h = 6 if fig.title else 0
+            bound = self._height_at_most(fig.caption, 7.8)
+            if bound is None or self.will_page_break(h + bound + 3 + title_h):
+                if self.will_page_break(h + self._height(fig.caption, 7.8) + 3 + title_h):
+                    self.add_page()
         if fig.title:
             self._text(fig.title, size=9.5, style="B", gap=0.8)
         if fig.png:

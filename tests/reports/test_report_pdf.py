@@ -61,3 +61,17 @@ def _raw_text(pdf: bytes, page: int) -> str:
     from pypdf import PdfReader
 
     return PdfReader(io.BytesIO(pdf)).pages[page].extract_text()
+
+
+def test_a_captions_height_bound_is_never_below_its_height():
+    """A figure's page break looks at the caption's exact height only where a cheap bound leaves
+    it in doubt (pdf_doc._height_at_most): the bound must never be below the height."""
+    from torchautopsy.reports.pdf_doc import PdfDoc
+
+    doc = PdfDoc("t", "v")
+    doc.add_page()
+    words = "the gradient norm of each layer per step, with the steps of the findings marked".split()
+    for caption in ["", "one line", " ".join(words * 9), "\n".join([" ".join(words * 2)] * 3),
+                    " ".join(words * 3 + [HOSTILE_LONG[:60]] + words), "a " * 300, "x" * 400]:
+        bound = doc._height_at_most(caption, 7.8)
+        assert bound is None or bound >= doc._height(caption, 7.8), caption[:40]
