@@ -15,6 +15,7 @@ closes the pipe early (``| head``) ends the command quietly, exit code 141 (as S
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -245,6 +246,10 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
     # matplotlib, jinja and fpdf2 are imported only when a report is asked for
     from ..reports import build_report, render_html, render_markdown, render_pdf
 
+    # The figures make many short-lived objects, so gc's full collections come often: frozen, what
+    # is already here (the modules, the trace, the findings) is no longer walked by each of them.
+    # A command is a process's last work (and tests' workers freeze what they hold too).
+    gc.freeze()
     outputs: list[tuple[str, str | bytes]] = []
     if html_path or pdf_path or open_html:
         if open_html and not html_path:
