@@ -248,7 +248,8 @@ def _write_reports(trace, findings, cfg, html_path, pdf_path, md_path, open_html
 
     # The figures make many short-lived objects, so gc's full collections come often: frozen, what
     # is already here (the modules, the trace, the findings) is no longer walked by each of them.
-    # A command is a process's last work (and tests' workers freeze what they hold too).
+    # Collected first, so no garbage is frozen with it (main() may run in a longer-lived process).
+    gc.collect()
     gc.freeze()
     outputs: list[tuple[str, str | bytes]] = []
     if html_path or pdf_path or open_html:
