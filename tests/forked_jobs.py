@@ -44,17 +44,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.fork_server import ForkServer, kill_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,55 +164,14 @@ def run(popen, args, *, input=None, capture_output=False, timeout=None, check=Fa
     return subprocess.CompletedProcess(args, job.returncode, out, err)
 
 
-class JobServer:
+class JobServer(ForkServer):
     """The interpreter that forks the jobs (``preload``: modules it imports after torch)."""
 
+    kind = "job server"
+
     def __init__(self, preload: tuple[str, ...] = (), timeout: float = 300):
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(theirs.fileno()), *preload],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
-                                     env=self.env, cwd=REPO, pass_fds=[theirs.fileno()], start_new_session=True)
-        theirs.close()
-        self._exits: dict[int, int] = {}
-        self._started: list[int] = []
-        self._reply(timeout)
-
-    # -- the socket -----------------------------------------------------------------------------
-    def _died(self) -> str:
-        self._log.seek(0)
-        return f"the job server died ({self.proc.poll()}): " + self._log.read().decode(errors="replace")[-3000:]
-
-    def _message(self, timeout: float | None) -> dict | None:
-        """The server's next message (a job's end is noted), or None past ``timeout``."""
-        if not select.select([self._sock], [], [], timeout)[0]:
-            return None
-        data = self._sock.recv(1 << 16)
-        if not data:
-            raise RuntimeError(self._died())
-        msg = json.loads(data)
-        if "exited" in msg:
-            self._exits[msg["exited"]] = msg["status"]
-        elif "error" in msg:
-            raise RuntimeError(f"job server: {msg['error']}")
-        return msg
-
-    def _reply(self, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = self._message(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                raise TimeoutError(f"no answer from the job server in {timeout} s")
-            if "exited" not in msg:
-                return msg
-
-    def _status(self, pid: int, timeout: float | None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pid not in self._exits:
-            if self._message(None if deadline is None else max(0.0, deadline - time.monotonic())) is None:
-                return None
-        return self._exits[pid]
+        super().__init__(lambda fd: [sys.executable, "-c", SERVER, str(fd), *preload], self.env, REPO, timeout)
 
     # -- jobs -------------------------------------------------------------------------------------
     def popen(self, args, *, stdin=None, stdout=None, stderr=None, cwd=None, env=None, text=False) -> Job:
@@ -243,7 +202,6 @@ class JobServer:
         finally:
             for fd in opened:
                 os.close(fd)
-        self._started.append(pid)
 
         def wrap(fd, mode):
             if fd is None:
@@ -260,27 +218,6 @@ class JobServer:
         """SIGKILL what finished jobs left behind (their children: the server's now)."""
         self._sock.send(json.dumps({"op": "orphans"}).encode())
         return self._reply()["killed"]
-
-    def close(self) -> None:
-        """The server and every job it started, their processes included, SIGKILLed if left."""
-        for pid in self._started:
-            if pid not in self._exits:  # (a pid known to have ended may be another's now)
-                kill_group(pid)
-        self._sock.close()  # (the server kills its children and their groups too, and exits)
-        try:
-            self.proc.wait(timeout=30)
-        finally:
-            kill_group(self.proc.pid)
-            self.proc.wait()
-            self._log.close()
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
 
 class Jobs:
     """A test's view of the server: jobs it starts are SIGKILLed, with their process groups, at

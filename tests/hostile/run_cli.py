@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.hostile.runner_server import RunnerServer
+from tests.hostile.runner_client import RunnerServer
 
 TIME_LIMIT_S = 60
 RSS_LIMIT = 1 << 30

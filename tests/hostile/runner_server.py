@@ -2,9 +2,10 @@
 
 A fresh `python tests/hostile/run_case.py DIR` paid the interpreter's start and the analyzer's
 import (~0.9 CPU-s; ~1.5 with the reports, matplotlib and fpdf2) before a case's first command:
-that was most of a case's CPU. ``RunnerServer`` starts this file as a script, which imports
-PRELOAD (never torch: the CLI runs without it, and the server checks it is not imported), then
-forks a runner per case, which does exactly what run_case.py's main does in a fresh process:
+that was most of a case's CPU. ``RunnerServer`` (runner_client.py) starts this file as a script,
+which imports PRELOAD (never torch: the CLI runs without it, and the server checks it is not
+imported), then forks a runner per case, which does exactly what run_case.py's main does in a
+fresh process:
 
 - the runner is a process group of its own (pid == pgid), stdin /dev/null, stdout and stderr the
   case's ``runner.err``, working directory the case's, environment run_cli.ENV (what the fresh
@@ -27,10 +28,7 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 
 # What a case's commands import: the CLI, load()'s package, the reports (HTML, PDF, Markdown,
 # terminal) and what they draw with. Measured on a case with HTML and PDF: everything it
@@ -41,101 +39,7 @@ PRELOAD = ("torchautopsy", "torchautopsy.analyzer.cli", "torchautopsy.analyzer.r
            "matplotlib.backends.backend_agg", "fpdf", "jinja2", "PIL.Image")
 
 
-class Runner:
-    """A forked runner, as much of Popen as run_cli uses: pid, returncode, poll(), wait()."""
-
-    def __init__(self, server: "RunnerServer", pid: int):
-        self._server, self.pid, self.returncode = server, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, 0)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, None)
-        return self.returncode
-
-
-class RunnerServer:
-    def __init__(self, env: dict, timeout: float = 120):
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._log = tempfile.TemporaryFile()
-        self.env = env
-        # One thread to fork from: numpy's OpenBLAS starts a pool at import unless told (the suite
-        # sets OMP_NUM_THREADS=1 anyway; `python -m tests.hostile.campaign` may not). The runner
-        # gets ``env`` itself back, so the commands see what a fresh runner's would.
-        server_env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
-        self.proc = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], env=server_env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
-                                     pass_fds=[theirs.fileno()], start_new_session=True)
-        theirs.close()
-        self._exits: dict[int, int] = {}
-        self._running: set[int] = set()
-        self._reply(timeout)
-        self._log.seek(0)
-        said = self._log.read().decode(errors="replace")
-        if said.strip():
-            self.close()
-            raise RuntimeError(f"the runner server's imports wrote to stderr:\n{said[-3000:]}")
-
-    def _message(self, timeout: float | None) -> dict | None:
-        if not select.select([self._sock], [], [], timeout)[0]:
-            return None
-        data = self._sock.recv(1 << 16)
-        if not data:
-            self._log.seek(0)
-            raise RuntimeError(f"the runner server died ({self.proc.poll()}): "
-                               + self._log.read().decode(errors="replace")[-3000:])
-        msg = json.loads(data)
-        if "exited" in msg:
-            self._exits[msg["exited"]] = msg["status"]
-            self._running.discard(msg["exited"])
-        elif "error" in msg:
-            raise RuntimeError(f"runner server: {msg['error']}")
-        return msg
-
-    def _reply(self, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = self._message(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                raise TimeoutError(f"no answer from the runner server in {timeout} s")
-            if "exited" not in msg:
-                return msg
-
-    def _status(self, pid: int, timeout: float | None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pid not in self._exits:
-            if self._message(None if deadline is None else max(0.0, deadline - time.monotonic())) is None:
-                return None
-        return self._exits.pop(pid)  # (asked once: a pid may be reused by a later runner)
-
-    def start(self, folder, cwd) -> Runner:
-        """A runner doing run_case.py's main(folder) in cwd, output to folder/runner.err."""
-        request = {"dir": os.fspath(folder), "cwd": os.path.abspath(cwd), "env": self.env}
-        self._sock.send(json.dumps(request).encode())
-        pid = self._reply()["started"]
-        self._running.add(pid)
-        return Runner(self, pid)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        for pid in self._running:
-            _kill_group(pid)
-        self._sock.close()  # the server kills what is left and exits
-        try:
-            self.proc.wait(timeout=30)
-        finally:
-            _kill_group(self.proc.pid)
-            self.proc.wait()  # reaped: its CPU, and its runners', counts in this process's
-            self._log.close()
-
-
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -180,7 +84,7 @@ def serve(sock: socket.socket) -> tuple[dict, None] | None:
         data = sock.recv(1 << 16)
         if not data:  # the test process closed its end: the runners left go with it
             for pid in running:
-                _kill_group(pid)
+                kill_group(pid)
                 os.waitpid(pid, 0)
             return None
         request = json.loads(data)
