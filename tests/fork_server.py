@@ -20,6 +20,27 @@ import time
 from typing import Callable
 
 
+class Forked:
+    """A process the server forked, as much of Popen as every user needs: pid, args, returncode,
+    poll(), wait(timeout) (subprocess.TimeoutExpired past it)."""
+
+    def __init__(self, server: "ForkServer", pid: int, args=None):
+        self._server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server._status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server._status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
 class ForkServer:
     kind = "fork server"  # (as its errors name it)
 

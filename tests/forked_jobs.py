@@ -54,7 +54,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fork_server import ForkServer, kill_group
+from tests.fork_server import Forked, ForkServer, kill_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,26 +71,13 @@ TORCH_ENV = ("TORCH", "PYTORCH")
 SERVER = (Path(__file__).parent / "job_server.py").read_text()
 
 
-class Job:
+class Job(Forked):
     """A job forked by the server: Popen's pid, args, stdin, stdout, stderr, returncode, poll(),
     wait(timeout), communicate(input, timeout), send_signal(), terminate(), kill()."""
 
     def __init__(self, server: "JobServer", pid: int, args, stdin, stdout, stderr):
-        self._server, self.pid, self.args = server, pid, args
+        super().__init__(server, pid, args)
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, 0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
 
     def communicate(self, input=None, timeout: float | None = None):
         """As Popen's: ``input`` to stdin (then closed), stdout and stderr read to their end."""

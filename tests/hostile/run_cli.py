@@ -145,9 +145,10 @@ def runner_server() -> RunnerServer:
     """This process's runner server, started at its first case (closed by close_runner_server,
     or at exit)."""
     global _SERVER
-    if _SERVER is None or not _SERVER.alive():
+    if _SERVER is not None and not _SERVER.alive():
+        close_runner_server()  # (a server that died: reaped, its runners' groups killed)
+    if _SERVER is None:
         _SERVER = RunnerServer(ENV)
-        atexit.register(close_runner_server)
     return _SERVER
 
 
@@ -156,6 +157,9 @@ def close_runner_server() -> None:
     if _SERVER is not None:
         _SERVER, server = None, _SERVER
         server.close()
+
+
+atexit.register(close_runner_server)  # (the campaign's; the tests close it in a module fixture)
 
 
 def _vm_hwm(pid: int) -> int:

@@ -1,5 +1,5 @@
 """The test process's side of tests/hostile/runner_server.py (a script: it imports nothing of
-tests/): the server started, a runner forked for each case, their statuses as Popen's."""
+tests/): the server started, a runner forked for each case (a Forked: its status as Popen's)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from tests.fork_server import ForkServer
+from tests.fork_server import Forked, ForkServer
 
 SCRIPT = Path(__file__).with_name("runner_server.py")
-
-
-class Runner:
-    """A forked runner, as much of Popen as run_cli uses: pid, returncode, poll(), wait()."""
-
-    def __init__(self, server: "RunnerServer", pid: int):
-        self._server, self.pid, self.returncode = server, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, 0)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = self._server._status(self.pid, None)
-        return self.returncode
 
 
 class RunnerServer(ForkServer):
@@ -45,11 +28,11 @@ class RunnerServer(ForkServer):
             self.close()
             raise RuntimeError(f"the runner server's imports wrote to stderr:\n{said[-3000:]}")
 
-    def start(self, folder, cwd) -> Runner:
+    def start(self, folder, cwd) -> Forked:
         """A runner doing run_case.py's main(folder) in cwd, output to folder/runner.err."""
         request = {"dir": os.fspath(folder), "cwd": os.path.abspath(cwd), "env": self.env}
         self._sock.send(json.dumps(request).encode())
-        return Runner(self, self._reply()["started"])
+        return Forked(self, self._reply()["started"])
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -10,9 +10,9 @@ fresh process:
 - the runner is a process group of its own (pid == pgid), stdin /dev/null, stdout and stderr the
   case's ``runner.err``, working directory the case's, environment run_cli.ENV (what the fresh
   runner got; the server's differs at most in OMP_NUM_THREADS, see RunnerServer);
-- ``Runner.poll()``/``wait()`` give its status as Popen's returncode (negative: the signal that
-  ended it), so run_cli watches it (VmHWM from /proc, killpg past KILL_RSS or the time limit)
-  and reports a death as before;
+- the runner's ``poll()``/``wait()`` (runner_client.py) give its status as Popen's returncode
+  (negative: the signal that ended it), so run_cli watches it (VmHWM from /proc, killpg past
+  KILL_RSS or the time limit) and reports a death as before;
 - the preload must write nothing to stderr (checked at start): a warning printed at import is
   then not one a command's own stderr would lose.
 
